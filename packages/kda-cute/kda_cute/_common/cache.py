@@ -1,0 +1,167 @@
+"""The call cache every CuTe stage goes through: marshal once, retarget per call, pin nothing.
+
+A CuTe kernel is launched through a compiled object that takes `cute.Tensor` descriptors.
+Building those descriptors from torch tensors (DLPack export, layout checks) costs tens of
+microseconds per tensor, which at a chain of four kernels is measurable against a 1 ms stage.
+So a stage call goes through two levels:
+
+  compile level   keyed on what the compiled code depends on: dtypes, static extents (K, V,
+                  heads), stride order, kernel-selecting flags, the arch. The batch and time
+                  modes of every view are marked dynamic, so one compile serves every B and T.
+  view level      keyed on the full shapes and strides and the current stream. It holds the
+                  descriptors made on the first such call. Later calls rewrite only the data
+                  pointer of each descriptor (`retarget`: one 64-bit store) and launch.
+
+The view level would pin memory if left alone: `from_dlpack` keeps a reference to the exporting
+tensor for the life of the descriptor, so a cached descriptor would keep the FIRST call's
+tensors alive forever (gigabytes at training shapes, and a caching allocator pushed into
+synchronizing retries). `release_keepalives` drops those references right after the entry is
+built; the descriptor needs only its own C memref, whose pointer `retarget` rewrites anyway.
+`tests/kda_cute/test_cache.py` checks that a tensor handed to a cached call is freed when the
+caller drops it.
+
+Outputs are never cached: a stage allocates them fresh for every call (`alloc`), because a
+cache-owned output aliases across calls, which a benchmark that calls once per step cannot see.
+
+This module is op-free: it knows nothing of KDA. Each stage module builds its key and its
+compile function and hands them to `CallCache.launch`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+ALIGN = 16  # bytes; every view is declared 16-byte aligned to the compiler
+
+
+def cute_view(t: torch.Tensor, dyn_modes: Sequence[int] = ()):
+    """`t` as a cute.Tensor (same mode order as torch) with `dyn_modes` marked dynamic.
+
+    detach(): inside an autograd.Function the saved tensors still carry requires_grad and
+    DLPack refuses to export those; the stages hand-write every gradient, so only storage counts.
+    The stride order is taken from the tensor's strides (descending = outermost first) so the
+    compiler sees the real layout; ties (size-1 modes) keep torch's order.
+    """
+    from cutlass.cute.runtime import from_dlpack
+
+    t = t.detach()
+    if t.data_ptr() % ALIGN:
+        raise ValueError(f"CuTe views need {ALIGN}-byte aligned storage; got {t.data_ptr():#x}")
+    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
+    # stride_order[i] = rank of mode i from the innermost (0 = smallest stride)
+    stride_order = [0] * t.dim()
+    for rank, mode in enumerate(reversed(order)):
+        stride_order[mode] = rank
+    ct = from_dlpack(t, assumed_align=ALIGN)
+    for m in dyn_modes:
+        ct = ct.mark_compact_shape_dynamic(mode=m, stride_order=tuple(stride_order))
+    return ct
+
+
+def retarget(ct, t: torch.Tensor) -> None:
+    """Point a cached descriptor at this call's tensor: one 64-bit store into its memref."""
+    ptr = t.data_ptr()
+    if ptr % ALIGN:
+        raise ValueError(f"CuTe views need {ALIGN}-byte aligned storage; got {ptr:#x}")
+    ctypes.c_uint64.from_address(ct.__c_pointers__()[0]).value = ptr
+
+
+def release_keepalives(*cts) -> None:
+    """Drop each descriptor's DLPack references to the tensor that exported it.
+
+    The C pointer cache is materialized first (it is what `retarget` writes and the launch
+    reads). The two field names are CuTe DSL internals: if an upgrade renames them we fail
+    loudly rather than silently pinning every first-call tensor again.
+    """
+    for ct in cts:
+        ct.__c_pointers__()
+        d = ct.__dict__
+        missing = [f for f in ("_dlpack_data", "_dltensor_wrapper") if f not in d]
+        if missing:
+            raise RuntimeError(
+                f"cutlass.cute.runtime tensor lost its keepalive fields {missing}; re-derive "
+                "release_keepalives for this DSL version (kda_cute._common.cache)"
+            )
+        d["_dlpack_data"] = None
+        d["_dltensor_wrapper"] = None
+
+
+def tensor_sig(t: torch.Tensor) -> tuple:
+    """Full identity of a tensor argument for the view level: shape, strides, dtype."""
+    return (tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def stream_handle(device: torch.device | None = None) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def alloc(shape: Sequence[int], dtype: torch.dtype, device, fill: float | None = None) -> torch.Tensor:
+    """A fresh output for this call (never cached). `fill` only where the kernel accumulates."""
+    if fill is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return torch.full(tuple(shape), fill, dtype=dtype, device=device)
+
+
+@dataclass
+class _Entry:
+    views: tuple
+    stream: object
+
+
+@dataclass
+class CallCache:
+    """Two-level cache for one stage's kernel (see the module docstring).
+
+    `launch(compile_key, args, dyn_modes, build)`:
+      - `args`: the tensors in the kernel's argument order (inputs and fresh outputs);
+      - `dyn_modes`: per tensor, the modes to mark dynamic;
+      - `build(views, stream) -> compiled`: traces and compiles; called once per compile_key.
+    Scalars that vary per call must not exist: make them tensors or part of compile_key.
+    """
+
+    name: str
+    compiled: dict = field(default_factory=dict)
+    entries: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    compiles: int = 0  # observable for tests: how many times `build` ran
+    marshals: int = 0  # how many view-level entries were built
+
+    def launch(
+        self,
+        compile_key: tuple,
+        args: Sequence[torch.Tensor],
+        dyn_modes: Sequence[Sequence[int]],
+        build: Callable,
+        extra: tuple = (),
+    ) -> None:
+        import cuda.bindings.driver as cuda
+
+        handle = stream_handle(args[0].device)
+        view_key = (compile_key, handle, tuple(tensor_sig(t) for t in args))
+        entry = self.entries.get(view_key)
+        if entry is None:
+            with self.lock:
+                entry = self.entries.get(view_key)
+                if entry is None:
+                    views = tuple(cute_view(t, d) for t, d in zip(args, dyn_modes, strict=True))
+                    stream = cuda.CUstream(handle)
+                    if compile_key not in self.compiled:
+                        self.compiled[compile_key] = build(views, stream, *extra)
+                        self.compiles += 1
+                    release_keepalives(*views)
+                    entry = _Entry(views, stream)
+                    self.entries[view_key] = entry
+                    self.marshals += 1
+        for ct, t in zip(entry.views, args, strict=True):
+            retarget(ct, t)
+        self.compiled[compile_key](*entry.views, entry.stream, *extra)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.compiled.clear()
+            self.entries.clear()
