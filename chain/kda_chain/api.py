@@ -1,0 +1,223 @@
+"""`chunk_kda`: fla 0.6.0's signature and results, on our stage chain.
+
+Bad input fails here, with the argument named, before any kernel runs. Flags the chain does not
+implement (cu_seqlens, cp_context, safe_gate, state_v_first, chunk_size != 64,
+disable_recompute, return_intermediate_states, use_graph) send the WHOLE call to fla, logged
+once and recorded as the range `kda::chunk_kda::fla::<reason>` so the witness shows it; where
+fla cannot run (no CUDA), such a call raises rather than silently doing something else.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from kda_cute._common.support import log_once
+from kda_witness import stage_range
+
+from . import stages as S
+from .autograd import ChunkKDAFunction
+from .forward import Flags
+
+log = logging.getLogger("kda_chain")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _delegated_reason(*, chunk_size, safe_gate, state_v_first, cu_seqlens, cp_context, use_graph,
+                      disable_recompute, return_intermediate_states) -> str | None:
+    for on, why in (
+        (cu_seqlens is not None, "cu_seqlens (varlen) not implemented"),
+        (cp_context is not None, "context parallel not implemented"),
+        (safe_gate, "safe_gate not implemented"),
+        (state_v_first, "state_v_first not implemented"),
+        (use_graph, "use_graph not implemented"),
+        (disable_recompute, "disable_recompute not implemented"),
+        (return_intermediate_states, "return_intermediate_states not implemented"),
+        (chunk_size != 64, f"chunk_size {chunk_size} not implemented (64 only)"),
+    ):
+        if on:
+            return why
+    return None
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"chunk_kda: {msg}")
+
+
+def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
+             use_beta_sigmoid_in_kernel, allow_neg_eigval) -> None:
+    """Every check fla makes, plus device/dtype/stride checks fla leaves to a crash."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check(t.dtype in _FLOATS, f"{name} has dtype {t.dtype}; expected a floating dtype")
+    _check(q.dim() == 4, f"q must be [B, T, H, K], got shape {list(q.shape)}")
+    _check(k.shape == q.shape, f"q and k must have the same shape, got q={list(q.shape)} k={list(k.shape)}")
+    B, T, H, K = q.shape
+    _check(v.dim() == 4 and v.shape[:2] == (B, T), f"v must be [B, T, HV, V] with B={B} T={T}, got {list(v.shape)}")
+    HV = v.shape[2]
+    _check(HV % H == 0, f"HV={HV} (v.shape[2]) must be a multiple of H={H} (q.shape[2])")
+    _check(K <= 256, f"key head dim K={K} > 256 is not supported (fla's limit)")
+    _check(tuple(g.shape) == (B, T, HV, K), f"g must have shape {[B, T, HV, K]}, got {list(g.shape)}")
+    _check(tuple(beta.shape) == (B, T, HV), f"beta must have shape {[B, T, HV]}, got {list(beta.shape)}")
+    dev = q.device
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("A_log", A_log), ("dt_bias", dt_bias)):
+        if t is not None:
+            _check(t.device == dev, f"{name} is on {t.device} but q is on {dev}")
+    _check(k.dtype == q.dtype, f"k dtype {k.dtype} differs from q dtype {q.dtype}")
+    _check(v.dtype == q.dtype, f"v dtype {v.dtype} differs from q dtype {q.dtype}")
+    if initial_state is not None:
+        V = v.shape[3]
+        _check(tuple(initial_state.shape) == (B, HV, K, V),
+               f"initial_state must have shape {[B, HV, K, V]}, got {list(initial_state.shape)}")
+        _check(initial_state.dtype in (torch.float32, torch.float64),
+               f"initial_state must be float32, got {initial_state.dtype}")
+    if use_gate_in_kernel:
+        _check(A_log is not None or lower_bound is not None,
+               "A_log must be given when use_gate_in_kernel=True and lower_bound is not set")
+        if A_log is not None:
+            _check(A_log.numel() == HV, f"A_log must have HV={HV} elements, got shape {list(A_log.shape)}")
+        if dt_bias is not None:
+            _check(dt_bias.numel() == HV * K, f"dt_bias must have HV*K={HV * K} elements, got {list(dt_bias.shape)}")
+    if allow_neg_eigval:
+        _check(use_beta_sigmoid_in_kernel, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+
+
+@torch.compiler.disable
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs,
+):
+    """Drop-in for `fla.ops.kda.chunk_kda` (0.6.0): same arguments, same returns (o, final_state).
+
+    A_log, dt_bias and chunk_size come through **kwargs as in fla.
+    """
+    A_log = kwargs.get("A_log") if use_gate_in_kernel else None
+    dt_bias = kwargs.get("dt_bias") if use_gate_in_kernel else None
+    chunk_size = kwargs.get("chunk_size", 64)
+    unknown = set(kwargs) - {"A_log", "dt_bias", "chunk_size"}
+    if unknown:
+        raise TypeError(f"chunk_kda: unexpected keyword arguments {sorted(unknown)}")
+    validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
+             use_beta_sigmoid_in_kernel, allow_neg_eigval)
+
+    reason = _delegated_reason(
+        chunk_size=chunk_size, safe_gate=safe_gate, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cp_context=cp_context, use_graph=use_graph, disable_recompute=disable_recompute,
+        return_intermediate_states=return_intermediate_states)
+    if reason is not None:
+        no_fla = S.fla_gate(q)
+        if no_fla is not None:
+            raise NotImplementedError(f"chunk_kda: {reason}, and fla cannot run here ({no_fla})")
+        log_once(f"kda_chain: whole call to fla: {reason}")
+        S.dispatch_log().append(S.Choice("chunk_kda", "fla", reason))
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        with stage_range("chunk_kda", "fla", reason):
+            return fla_chunk_kda(
+                q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                disable_recompute=disable_recompute, return_intermediate_states=return_intermediate_states,
+                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs, **kwargs)
+
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    flags = Flags(scale=float(scale), chunk_size=chunk_size, output_final_state=output_final_state,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                  lower_bound=lower_bound)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, flags)
+
+
+def is_supported(q: torch.Tensor, v: torch.Tensor | None = None, **flags) -> dict[str, str | None]:
+    """Per CuTe stage, None if its kernel would run for inputs like these, else the reason.
+
+    Answers from each stage's gate on tensors of the right shapes (meta tensors: no memory).
+    """
+    B, T, H, K = q.shape
+    HV, V = (v.shape[2], v.shape[3]) if v is not None else (H, K)
+    reason = _delegated_reason(
+        chunk_size=flags.get("chunk_size", 64), safe_gate=flags.get("safe_gate", False),
+        state_v_first=flags.get("state_v_first", False), cu_seqlens=flags.get("cu_seqlens"),
+        cp_context=flags.get("cp_context"), use_graph=flags.get("use_graph", False),
+        disable_recompute=flags.get("disable_recompute", False),
+        return_intermediate_states=flags.get("return_intermediate_states", False))
+    if reason is not None:
+        return {name: f"whole call to fla: {reason}" for name in S.CUTE_STAGES}
+    return {name: stage.choose(*_probe_args(name, q, B, T, H, HV, K, V))[1]
+            for name, stage in S.CUTE_STAGES.items()}
+
+
+def _probe_args(stage: str, q, B, T, H, HV, K, V):
+    dev, dt = q.device, q.dtype
+    f32 = torch.float32
+    NT = (T + 63) // 64
+
+    def t(*shape, dtype=dt):
+        return torch.empty(shape, device=dev, dtype=dtype)
+
+    qk, kv, gk = t(B, T, H, K), t(B, T, HV, K), t(B, T, HV, K, dtype=f32)
+    if stage == "fwd":
+        return (qk, kv, kv, t(B, T, HV, V), gk, t(B, T, HV, 64, dtype=f32), None, False, K ** -0.5)
+    if stage == "b1":
+        return (kv, kv, t(B, T, HV, V), gk, None, False)
+    if stage == "dhu":
+        return (kv, kv, kv, gk, None, None, t(B, T, HV, V), t(B, T, HV, V), K ** -0.5)
+    assert stage == "intra"
+    a = t(B, T, HV, 64, dtype=f32)
+    return (qk, qk, gk, t(B, T, HV), a, a, t(B, T, HV, K, dtype=f32), t(B, T, HV, K, dtype=f32),
+            t(B, T, HV, dtype=f32), t(B, T, HV, K, dtype=f32))
+
+
+def warmup(B: int, T: int, H: int, K: int, V: int, HV: int | None = None, dtype=torch.bfloat16,
+           device="cuda", **flags) -> dict[str, str | None]:
+    """Compile (and autotune) everything one fwd+bwd at this shape uses; returns the stage choices.
+
+    Runs one real forward+backward on random inputs: compiles every CuTe kernel the shape takes,
+    fills fla's autotune cache for the stages fla runs. Time: seconds per CuTe kernel, minutes for
+    a cold fla autotune.
+    """
+    HV = HV or H
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def r(*shape, dt=dtype):
+        return torch.randn(shape, generator=gen).to(device=device, dtype=dt)
+
+    q, k = r(B, T, H, K), r(B, T, H, K)
+    v = r(B, T, HV, V)
+    g = -torch.nn.functional.softplus(r(B, T, HV, K, dt=torch.float32))
+    beta = torch.rand(B, T, HV, generator=gen).to(device=device, dtype=dtype)
+    for t in (q, k, v, g, beta):
+        t.requires_grad_(True)
+    S.reset_dispatch_log()
+    o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **flags)
+    o.backward(torch.randn_like(o))
+    return {c.stage: c.impl for c in S.dispatch_log()}

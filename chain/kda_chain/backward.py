@@ -1,0 +1,64 @@
+"""The backward composition (fla 0.6.0's recompute path). Stages, in order:
+
+    gate_chunk_cumsum          recompute gk, only when the gate runs in kernel (not saved)
+    recompute_w_u              w, u, qg, kg from Akk
+    b1                         kda_cute_b1: re-scan h for every chunk and v_new
+    bwd_dAv                    dAqk = do v_new^T (masked), dv = Aqk^T do
+    dhu                        kda_cute_dhu: reverse scan -> dh per chunk, dh0, dv2
+    bwd_wy_dqkg                dq, dk, dv, db, dg, dAkk through the WY form and the states
+    intra                      kda_cute_intra: the intra-chunk gradients through Aqk and Akk;
+                               with the CuTe kernel, fold_dg=True (dg comes out reverse-cumsummed,
+                               so dg_cumsum is skipped) and, when HV == H, emit_bf16=True
+    dg_cumsum                  only when intra was not the CuTe kernel
+    gva_sum                    dq, dk summed over each group of HV // H value heads, in fp32
+    gate_bwd                   only with the gate in kernel -> dg_raw, dA_log, ddt_bias
+    l2norm_bwd, beta_sigmoid_bwd   only with those flags
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import stages as S
+from .forward import Flags, Saved
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def backward(do, dht, s: Saved, f: Flags):
+    """-> dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 (fla's dtypes)."""
+    q, k, v, beta = s.q, s.k, s.v, s.beta
+    H, HV = q.shape[2], v.shape[2]
+    gk = s.gk
+    if gk is None:
+        gk = S.gate_chunk_cumsum(s.g, s.A_log, s.dt_bias, f.lower_bound, f.chunk_size, True)
+    w, u, qg, kg = S.recompute_w_u(q, k, v, beta, s.Akk, gk)
+    h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False)
+    dAqk, dv = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
+    dh, dh0, dv = S.dhu(qg, kg, w, gk, s.initial_state, dht, do, dv, f.scale)
+    del qg, kg, w, u
+    dq, dk, dv, db, dg, dAkk = S.bwd_wy_dqkg(q, k, v, v_new, gk, beta, s.Akk, h, do, dh, dv, f.scale)
+    del h, dh, v_new
+
+    args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
+    flags = dict(fold_dg=True, emit_bf16=HV == H and q.dtype in _HALF)
+    impl, reason = S.intra.choose(*args, **flags)
+    if impl.name == "cute":
+        dq, dk, db, dg = S.intra.run(impl, reason, *args, **flags)
+    else:
+        dq, dk, db, dg = S.intra.run(impl, reason, *args)
+        dg = S.dg_cumsum(dg, f.chunk_size)
+
+    if HV > H:
+        dq = S.gva_sum(dq, H)
+        dk = S.gva_sum(dk, H)
+    dA_log = ddt_bias = None
+    if f.use_gate_in_kernel:
+        dg, dA_log, ddt_bias = S.gate_bwd(s.g, s.A_log, s.dt_bias, dg, f.lower_bound)
+    if f.use_qk_l2norm_in_kernel:
+        dq = S.l2norm_bwd(q, s.q_rstd, dq)
+        dk = S.l2norm_bwd(k, s.k_rstd, dk)
+    if f.use_beta_sigmoid_in_kernel:
+        db = S.beta_sigmoid_bwd(s.beta_raw, db, f.beta_scale)
+    return dq, dk, dv, dg, db, dA_log, ddt_bias, dh0
+

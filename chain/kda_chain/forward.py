@@ -1,0 +1,72 @@
+"""The forward composition. Stages, in order (each one dispatched through `stages`):
+
+    l2norm_fwd (q, k)          only with use_qk_l2norm_in_kernel
+    beta_sigmoid_fwd           only with use_beta_sigmoid_in_kernel (x2 with allow_neg_eigval)
+    gate_chunk_cumsum          the gate (in kernel, or the given log-gate) -> gk, log2 chunk cumsum
+    fwd_intra                  w, u, qg, kg, Aqk, Akk per chunk
+    fwd                        kda_cute_fwd: the state scan fused with the readout -> o, ht
+                               (fla: chunk_gated_delta_rule_fwd_h + chunk_gla_fwd_o_gk)
+
+What is saved for backward is exactly what fla 0.6.0 saves (no more activations): q, k (after
+l2norm) with their rstd, v, gk (only when the gate is not recomputed in kernel), the raw g,
+beta (raw and activated), A_log, dt_bias, Aqk, Akk, initial_state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import stages as S
+
+
+@dataclass
+class Flags:
+    scale: float
+    chunk_size: int
+    output_final_state: bool
+    use_qk_l2norm_in_kernel: bool
+    use_gate_in_kernel: bool
+    use_beta_sigmoid_in_kernel: bool
+    allow_neg_eigval: bool
+    lower_bound: float | None
+
+    @property
+    def beta_scale(self) -> float:
+        return 2.0 if self.allow_neg_eigval else 1.0
+
+
+@dataclass
+class Saved:
+    q: torch.Tensor
+    q_rstd: torch.Tensor | None
+    k: torch.Tensor
+    k_rstd: torch.Tensor | None
+    v: torch.Tensor
+    gk: torch.Tensor | None
+    g: torch.Tensor
+    beta_raw: torch.Tensor
+    beta: torch.Tensor
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    Aqk: torch.Tensor
+    Akk: torch.Tensor
+    initial_state: torch.Tensor | None
+
+
+def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags):
+    """-> o (q's dtype), ht (fp32 or None), Saved."""
+    q_rstd = k_rstd = None
+    if f.use_qk_l2norm_in_kernel:
+        q, q_rstd = S.l2norm_fwd(q)
+        k, k_rstd = S.l2norm_fwd(k)
+    beta_raw = beta
+    if f.use_beta_sigmoid_in_kernel:
+        beta = S.beta_sigmoid_fwd(beta_raw, f.beta_scale)
+    gk = S.gate_chunk_cumsum(g, A_log, dt_bias, f.lower_bound, f.chunk_size, f.use_gate_in_kernel)
+    w, u, qg, kg, Aqk, Akk = S.fwd_intra(q, k, v, gk, beta, f.scale, f.chunk_size)
+    o, ht = S.fwd(q, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale)
+    saved = Saved(q, q_rstd, k, k_rstd, v, None if f.use_gate_in_kernel else gk, g, beta_raw, beta,
+                  A_log, dt_bias, Aqk, Akk, initial_state)
+    return o.to(q.dtype), ht, saved

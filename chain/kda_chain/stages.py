@@ -1,0 +1,303 @@
+"""The stage table: for every stage of chunk_kda, its implementations in order and their gates.
+
+A stage call walks its implementations in order and takes the first whose gate says yes:
+
+    cute       our CuTe kernel (the four scan/intra stages), when its module is built and
+               `is_supported(...)` accepts the call
+    fla        fla 0.6.0's function (Triton, CUDA only)
+    reference  kda_cute.reference in plain torch: the oracle and the last resort (CPU, float64)
+
+Every call opens one profiler range `kda::<stage>::<impl>[::<reason>]` (kda_witness's format)
+whose reason says why the implementations before the chosen one were passed over, e.g.
+`kda::intra::fla::cute: T % 64 != 0`. The witness reads the reasons back from the trace; the
+same record goes to `dispatch_log()` for code that runs without a profiler (the CLI on CPU,
+tests). `KDA_FORCE_FLA=all` or `KDA_FORCE_FLA=intra,dhu` skips the CuTe kernel of those stages;
+it is read on every call.
+
+Every function here has the contract of ARCHITECTURE.md; the fla adapters only rename
+arguments. Nothing in this module computes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+
+import torch
+from kda_cute import reference as ref
+from kda_cute._common.support import device_reason, forced_fla
+from kda_witness import stage_range
+
+# ---------------------------------------------------------------------------------------------
+# dispatch record
+
+
+@dataclass(frozen=True)
+class Choice:
+    stage: str
+    impl: str
+    reason: str | None
+
+
+_local = threading.local()
+
+
+def dispatch_log() -> list[Choice]:
+    """The choices made on this thread since the last `reset_dispatch_log()`."""
+    if not hasattr(_local, "log"):
+        _local.log = []
+    return _local.log
+
+
+def reset_dispatch_log() -> None:
+    _local.log = []
+
+
+# ---------------------------------------------------------------------------------------------
+# gates
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+
+
+@cache
+def _fla_import_error() -> str | None:
+    try:
+        import fla.ops.kda.chunk_bwd  # noqa: F401
+    except Exception as e:  # environment-dependent
+        return f"fla not importable ({type(e).__name__})"
+    return None
+
+
+def fla_gate(*args, **kwargs) -> str | None:
+    ts = _tensors(args, kwargs)
+    if not ts or ts[0].device.type != "cuda":
+        return "no CUDA device" if not torch.cuda.is_available() else "tensors are not on CUDA"
+    if any(t.dtype == torch.float64 for t in ts):
+        return "fla has no float64 kernels"
+    return _fla_import_error()
+
+
+def _always(*args, **kwargs) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    gate: Callable[..., str | None]
+    fn: Callable
+
+
+def cute_impl(stage: str, module: str, fn_name: str) -> Impl:
+    """The CuTe implementation of `stage`, found at call time in kda_cute.<module>.
+
+    A module not present yet (the kernel is not written) gates with "kernel not built yet".
+    """
+
+    def load():
+        try:
+            return importlib.import_module(f"kda_cute.{module}")
+        except ModuleNotFoundError as e:
+            if e.name == f"kda_cute.{module}":
+                return None
+            raise
+
+    def gate(*args, **kwargs) -> str | None:
+        if forced_fla(stage):
+            return "forced to fla by KDA_FORCE_FLA"
+        mod = load()
+        if mod is None:
+            return "kernel not built yet"
+        ts = _tensors(args, kwargs)
+        r = device_reason(ts[0])
+        if r is not None:
+            return r
+        return mod.is_supported(*args, **kwargs)
+
+    def fn(*args, **kwargs):
+        return getattr(load(), fn_name)(*args, **kwargs)
+
+    return Impl("cute", gate, fn)
+
+
+@dataclass
+class Stage:
+    name: str
+    impls: list[Impl] = field(default_factory=list)
+
+    def choose(self, *args, **kwargs) -> tuple[Impl, str | None]:
+        reasons = []
+        for impl in self.impls:
+            r = impl.gate(*args, **kwargs)
+            if r is None:
+                return impl, ("; ".join(reasons) or None)
+            reasons.append(f"{impl.name}: {r}")
+        raise RuntimeError(f"kda stage {self.name}: no implementation accepts this call: {reasons}")
+
+    def run(self, impl: Impl, reason: str | None, *args, **kwargs):
+        """Run a chosen implementation inside its profiler range, recording the choice."""
+        dispatch_log().append(Choice(self.name, impl.name, reason))
+        with stage_range(self.name, impl.name, reason):
+            return impl.fn(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.run(*self.choose(*args, **kwargs), *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# fla adapters: our contract names -> fla 0.6.0's functions (imported lazily: fla pulls triton)
+
+
+def _fla(path: str, name: str):
+    return getattr(importlib.import_module(path), name)
+
+
+def _fla_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel):
+    from fla.ops.utils.constant import RCP_LN2
+
+    if use_gate_in_kernel:
+        f = _fla("fla.ops.kda.gate", "kda_gate_chunk_cumsum")
+        return f(g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=chunk_size,
+                 lower_bound=lower_bound)
+    f = _fla("fla.ops.utils", "chunk_local_cumsum")
+    return f(g=g, scale=RCP_LN2, chunk_size=chunk_size)
+
+
+def _fla_fwd_intra(q, k, v, gk, beta, scale, chunk_size):
+    f = _fla("fla.ops.kda.chunk_intra", "chunk_kda_fwd_intra")
+    return f(q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=chunk_size)
+
+
+def _fla_fwd_h(kg, w, u, gk, initial_state, output_final_state):
+    f = _fla("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_h")
+    return f(k=kg, w=w, u=u, gk=gk, initial_state=initial_state, output_final_state=output_final_state)
+
+
+def _fla_fwd_o(q, v_new, gk, Aqk, h, scale):
+    f = _fla("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")
+    return f(q=q, v=v_new, g=gk, A=Aqk, h=h, scale=scale)
+
+
+def _fla_fwd_scan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale):
+    h, v_new, ht = _fla_fwd_h(kg, w, u, gk, initial_state, output_final_state)
+    return _fla_fwd_o(q, v_new, gk, Aqk, h, scale), ht
+
+
+def _fla_recompute_w_u(q, k, v, beta, Akk, gk):
+    f = _fla("fla.ops.kda.wy_fast", "recompute_w_u_fwd")
+    return f(q=q, k=k, v=v, beta=beta, A=Akk, gk=gk)
+
+
+def _fla_bwd_dAv(q, k, v_new, do, Aqk, scale):
+    # fla's dAv kernel takes q and k but reads only their shapes (its autotune key includes
+    # them, so pass the real ones to hit the tuned configs).
+    f = _fla("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_dAv")
+    return f(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale)
+
+
+def _ref_bwd_dAv(q, k, v_new, do, Aqk, scale):
+    return ref.bwd_dAv(v_new, do, Aqk, scale)
+
+
+def _fla_bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale):
+    f = _fla("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_bwd_dhu")
+    return f(q=qg, k=kg, w=w, gk=gk, h0=h0, dht=dht, do=do, dv=dv, scale=scale)
+
+
+def _fla_bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale):
+    f = _fla("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_wy_dqkg_fused")
+    return f(q=q, k=k, v=v, v_new=v_new, g=gk, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv, scale=scale)
+
+
+def _fla_bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False):
+    if fold_dg or emit_bf16:
+        raise ValueError("fla's intra has no fold_dg/emit_bf16; the chain asks only the CuTe kernel")
+    f = _fla("fla.ops.kda.chunk_intra", "chunk_kda_bwd_intra")
+    return f(q=q, k=k, g=gk, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
+
+
+def _fla_dg_cumsum(dg, chunk_size):
+    return _fla("fla.ops.utils", "chunk_local_cumsum")(dg, chunk_size=chunk_size, reverse=True)
+
+
+def _fla_l2norm_fwd(x):
+    return _fla("fla.modules.l2norm", "l2norm_fwd")(x)
+
+
+def _fla_l2norm_bwd(y, rstd, dy):
+    return _fla("fla.modules.l2norm", "l2norm_bwd")(y, rstd, dy)
+
+
+def _fla_beta_sigmoid_fwd(x, scale):
+    return _fla("fla.ops.common.gate", "fused_beta_sigmoid_fwd")(x, scale)
+
+
+def _fla_beta_sigmoid_bwd(x, dy, scale):
+    return _fla("fla.ops.common.gate", "fused_beta_sigmoid_bwd")(x, dy, scale)
+
+
+def _fla_gate_bwd(g, A_log, dt_bias, dyg, lower_bound):
+    f = _fla("fla.ops.kda.gate", "kda_gate_bwd")
+    return f(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
+
+
+def _fla_gva_sum(x, H):
+    # fla sums the group with a torch view + sum; same math as the reference, on any device.
+    return ref.gva_sum(x, H)
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+
+
+def _ref(fn_name: str) -> Callable:
+    """The reference function, looked up per call (kda_cute.reference is the oracle)."""
+
+    def call(*args, **kwargs):
+        return getattr(ref, fn_name)(*args, **kwargs)
+
+    call.__name__ = fn_name
+    return call
+
+
+def _two(name: str, fla_fn: Callable) -> Stage:
+    return Stage(name, [Impl("fla", fla_gate, fla_fn), Impl("reference", _always, _ref(name))])
+
+
+def _three(name: str, module: str, fla_fn: Callable) -> Stage:
+    fn = _REF_NAME[name]
+    return Stage(name, [cute_impl(name, module, fn), Impl("fla", fla_gate, fla_fn),
+                        Impl("reference", _always, _ref(fn))])
+
+
+# stage name -> contract function name (same in the reference and the kernel module)
+_REF_NAME = {"fwd": "fwd_scan", "b1": "fwd_h", "dhu": "bwd_dhu", "intra": "bwd_intra"}
+
+gate_chunk_cumsum = _two("gate_chunk_cumsum", _fla_gate_chunk_cumsum)
+fwd_intra = _two("fwd_intra", _fla_fwd_intra)
+fwd = _three("fwd", "fwd", _fla_fwd_scan)
+recompute_w_u = _two("recompute_w_u", _fla_recompute_w_u)
+b1 = _three("b1", "b1", _fla_fwd_h)
+bwd_dAv = Stage("bwd_dAv", [Impl("fla", fla_gate, _fla_bwd_dAv), Impl("reference", _always, _ref_bwd_dAv)])
+dhu = _three("dhu", "dhu", _fla_bwd_dhu)
+bwd_wy_dqkg = _two("bwd_wy_dqkg", _fla_bwd_wy_dqkg)
+intra = _three("intra", "intra", _fla_bwd_intra)
+dg_cumsum = _two("dg_cumsum", _fla_dg_cumsum)
+gva_sum = _two("gva_sum", _fla_gva_sum)
+l2norm_fwd = _two("l2norm_fwd", _fla_l2norm_fwd)
+l2norm_bwd = _two("l2norm_bwd", _fla_l2norm_bwd)
+beta_sigmoid_fwd = _two("beta_sigmoid_fwd", _fla_beta_sigmoid_fwd)
+beta_sigmoid_bwd = _two("beta_sigmoid_bwd", _fla_beta_sigmoid_bwd)
+gate_bwd = _two("gate_bwd", _fla_gate_bwd)
+
+CUTE_STAGES = {"fwd": fwd, "b1": b1, "dhu": dhu, "intra": intra}
+STAGES = {
+    s.name: s
+    for s in (gate_chunk_cumsum, fwd_intra, fwd, recompute_w_u, b1, bwd_dAv, dhu, bwd_wy_dqkg, intra,
+              dg_cumsum, gva_sum, l2norm_fwd, l2norm_bwd, beta_sigmoid_fwd, beta_sigmoid_bwd, gate_bwd)
+}
