@@ -45,21 +45,19 @@ def cute_view(t: torch.Tensor, dyn_modes: Sequence[int] = ()):
     detach(): inside an autograd.Function the saved tensors still carry requires_grad and
     DLPack refuses to export those; the stages hand-write every gradient, so only storage counts.
     The stride order is taken from the tensor's strides (descending = outermost first) so the
-    compiler sees the real layout; ties (size-1 modes) keep torch's order.
+    compiler sees the real layout; ties (size-1 modes) keep torch's mode order.
     """
     from cutlass.cute.runtime import from_dlpack
 
     t = t.detach()
     if t.data_ptr() % ALIGN:
         raise ValueError(f"CuTe views need {ALIGN}-byte aligned storage; got {t.data_ptr():#x}")
-    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
-    # stride_order[i] = rank of mode i from the innermost (0 = smallest stride)
-    stride_order = [0] * t.dim()
-    for rank, mode in enumerate(reversed(order)):
-        stride_order[mode] = rank
+    # torch's dim_order convention (outermost mode first), computed here because
+    # Tensor.dim_order() places size-1 modes by heuristics the DSL then rejects.
+    dim_order = tuple(sorted(range(t.dim()), key=lambda i: (-t.stride(i), i)))
     ct = from_dlpack(t, assumed_align=ALIGN)
     for m in dyn_modes:
-        ct = ct.mark_compact_shape_dynamic(mode=m, stride_order=tuple(stride_order))
+        ct = ct.mark_compact_shape_dynamic(mode=m, stride_order=dim_order)
     return ct
 
 
@@ -96,8 +94,14 @@ def tensor_sig(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def stream_handle(device: torch.device | None = None) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+def current_stream(device: torch.device) -> tuple[int, object]:
+    """(raw handle, CUstream) of torch's current stream on `device`. The handle is part of
+    every view-level key, so a stream switch builds a new entry instead of launching on a
+    stale stream."""
+    import cuda.bindings.driver as cuda
+
+    handle = torch.cuda.current_stream(device).cuda_stream
+    return handle, cuda.CUstream(handle)
 
 
 def alloc(shape: Sequence[int], dtype: torch.dtype, device, fill: float | None = None) -> torch.Tensor:
@@ -139,9 +143,7 @@ class CallCache:
         build: Callable,
         extra: tuple = (),
     ) -> None:
-        import cuda.bindings.driver as cuda
-
-        handle = stream_handle(args[0].device)
+        handle, stream = current_stream(args[0].device)
         view_key = (compile_key, handle, tuple(tensor_sig(t) for t in args))
         entry = self.entries.get(view_key)
         if entry is None:
@@ -149,7 +151,6 @@ class CallCache:
                 entry = self.entries.get(view_key)
                 if entry is None:
                     views = tuple(cute_view(t, d) for t, d in zip(args, dyn_modes, strict=True))
-                    stream = cuda.CUstream(handle)
                     if compile_key not in self.compiled:
                         self.compiled[compile_key] = build(views, stream, *extra)
                         self.compiles += 1

@@ -1,0 +1,97 @@
+"""The call cache's CPU-checkable contract: views, retarget, keepalive release, the two levels."""
+
+import ctypes
+import gc
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+cache = pytest.importorskip("kda_cute._common.cache")
+pytest.importorskip("cutlass.cute")
+
+
+def _ptr(ct) -> int:
+    return ctypes.c_uint64.from_address(ct.__c_pointers__()[0]).value
+
+
+def test_view_marks_batch_and_time_dynamic():
+    t = torch.randn(2, 64, 4, 32)
+    ct = cache.cute_view(t, (0, 1))
+    s = str(ct)
+    assert "(?,?,4,32)" in s, s
+
+
+def test_view_pins_its_tensor_until_released():
+    t = torch.randn(2, 64, 4, 32)
+    ct = cache.cute_view(t, (0, 1))
+    storage = StorageWeakRef(t.untyped_storage())  # the memory, not the Python object
+    del t
+    gc.collect()
+    assert not storage.expired(), "DLPack keeps the exporter alive (the reason release exists)"
+    cache.release_keepalives(ct)
+    gc.collect()
+    assert storage.expired(), "a released view must not pin the caller's memory"
+
+
+def test_retarget_rewrites_the_data_pointer():
+    t = torch.randn(2, 64, 4, 32)
+    ct = cache.cute_view(t, (0, 1))
+    cache.release_keepalives(ct)
+    t2 = torch.randn(2, 64, 4, 32)
+    cache.retarget(ct, t2)
+    assert _ptr(ct) == t2.data_ptr()
+
+
+def test_misaligned_storage_is_refused():
+    t = torch.randn(1025)[1:]  # 4-byte offset
+    with pytest.raises(ValueError, match="aligned"):
+        cache.cute_view(t)
+
+
+class _FakeCompiled:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *views_and_stream):
+        *views, stream = views_and_stream
+        self.calls.append(tuple(_ptr(v) for v in views))
+
+
+@pytest.fixture
+def cpu_stream(monkeypatch):
+    state = {"handle": 7}
+    monkeypatch.setattr(cache, "current_stream", lambda device: (state["handle"], None))
+    return state
+
+
+def test_call_cache_compiles_once_marshals_per_shape_and_pins_nothing(cpu_stream):
+    cc = cache.CallCache("test")
+    built = []
+
+    def build(views, stream):
+        built.append(len(views))
+        return _FakeCompiled()
+
+    def call(B, T):
+        a = torch.randn(B, T, 4, 32)
+        out = cache.alloc((B, T, 4, 32), torch.float32, "cpu")
+        cc.launch(("k", 32), (a, out), ((0, 1), (0, 1)), build)
+        return a, out
+
+    a1, o1 = call(2, 64)
+    a2, o2 = call(2, 64)
+    assert cc.compiles == 1 and cc.marshals == 1
+    compiled = cc.compiled[("k", 32)]
+    assert compiled.calls[-1] == (a2.data_ptr(), o2.data_ptr()), "second call must retarget"
+    assert o1.data_ptr() != o2.data_ptr(), "outputs are fresh per call"
+    call(3, 128)  # new B/T: a new view entry, the same compiled object
+    assert cc.compiles == 1 and cc.marshals == 2
+    cpu_stream["handle"] = 8  # another stream: new entry
+    call(2, 64)
+    assert cc.marshals == 3
+
+    first = [StorageWeakRef(t.untyped_storage()) for t in (a1, o1)]
+    del a1, o1
+    gc.collect()
+    assert all(s.expired() for s in first), "a tensor handed to a cached call is freed when dropped"
