@@ -56,6 +56,19 @@ def reset_dispatch_log() -> None:
     _local.log = []
 
 
+class capture:
+    """Record every stage call's arguments made inside the block (for benchmarks: each stage
+    is then timed on the real inputs of a real chain call). Holds references: use briefly."""
+
+    def __enter__(self) -> list[tuple[str, tuple, dict]]:
+        self.calls: list[tuple[str, tuple, dict]] = []
+        _local.capture = self.calls
+        return self.calls
+
+    def __exit__(self, *exc) -> None:
+        _local.capture = None
+
+
 # ---------------------------------------------------------------------------------------------
 # gates
 
@@ -142,6 +155,8 @@ class Stage:
     def run(self, impl: Impl, reason: str | None, *args, **kwargs):
         """Run a chosen implementation inside its profiler range, recording the choice."""
         dispatch_log().append(Choice(self.name, impl.name, reason))
+        if getattr(_local, "capture", None) is not None:
+            _local.capture.append((self.name, args, kwargs))
         with stage_range(self.name, impl.name, reason):
             return impl.fn(*args, **kwargs)
 

@@ -1,0 +1,42 @@
+"""A pytest-benchmark timer that reads CUDA events instead of the host clock.
+
+pytest-benchmark times a round as timer() after minus timer() before. `cuda_now` records an event,
+waits for it, and returns the device time elapsed since the first event, accumulated pair by pair
+in float64 (one event's elapsed_time against a fixed origin loses precision after minutes: it is
+a float32 in ms). A round's time is therefore device time from "GPU idle, start" to "all of the
+round's work done": kernels plus the launch gaps between them, which a user pays too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_state = {"last": None, "t": 0.0}
+
+
+def cuda_now() -> float:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    ev.synchronize()
+    last = _state["last"]
+    if last is not None:
+        _state["t"] += last.elapsed_time(ev) / 1e3
+    _state["last"] = ev
+    return _state["t"]
+
+
+def median_ms(fn, *, warmup: int = 3, reps: int = 20) -> float:
+    """Median device time of fn() over reps, CUDA events around each call, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]

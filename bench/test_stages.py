@@ -1,0 +1,82 @@
+"""Per-stage benchmarks: every implementation of every stage on the same inputs, in one run.
+
+The inputs are the real arguments of a real chain call: one forward+backward of `chunk_kda` at
+the shape runs under `kda_chain.stages.capture()`, which records each stage call's arguments.
+Each implementation whose gate accepts those arguments is then timed on them (CUDA events,
+median of rounds). The reference (plain torch) is timed on the small shape only.
+
+intra is compared as the chain uses it: the CuTe kernel with fold_dg=True (and emit_bf16 when
+HV == H) against fla's intra followed by fla's dg reverse cumsum, the stage fold_dg removes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import KDA_FLAGS, SHAPES, make_inputs, selected_shapes
+from cuda_clock import cuda_now
+
+pytestmark = pytest.mark.benchmark(timer=cuda_now)
+
+STAGE_NAMES = ["gate_chunk_cumsum", "fwd_intra", "fwd", "recompute_w_u", "b1", "bwd_dAv", "dhu",
+               "bwd_wy_dqkg", "intra", "gva_sum", "gate_bwd", "l2norm_fwd", "l2norm_bwd"]
+_captured: dict[str, dict] = {}
+
+
+def captured(shape: str) -> dict:
+    """stage -> (args, kwargs) of its first call in one fwd+bwd at `shape` (cached per session)."""
+    if shape not in _captured:
+        from kda_chain import chunk_kda
+        from kda_chain.stages import capture
+
+        x = make_inputs(**SHAPES[shape])
+        with capture() as calls:
+            o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
+                             dt_bias=x["dt_bias"], **KDA_FLAGS)
+            o.backward(torch.randn_like(o))
+        first: dict = {}
+        for name, args, kwargs in calls:
+            first.setdefault(name, (args, kwargs))
+        _captured.clear()  # one shape's activations at a time
+        _captured[shape] = first
+    return _captured[shape]
+
+
+@pytest.mark.parametrize("impl", ["cute", "fla", "reference"])
+@pytest.mark.parametrize("stage", STAGE_NAMES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_stage(benchmark, request, shape, stage, impl):
+    from kda_chain import STAGES
+
+    if shape not in selected_shapes(request.config):
+        pytest.skip(f"shape {shape} not selected")
+    if impl == "reference" and shape != "small":
+        pytest.skip("the reference is timed on the small shape only")
+    calls = captured(shape)
+    if stage not in calls:
+        pytest.skip(f"{stage} did not run in this configuration")
+    args, kwargs = calls[stage]
+    st = STAGES[stage]
+    chosen = [i for i in st.impls if i.name == impl]
+    if not chosen:
+        pytest.skip(f"{stage} has no {impl} implementation")
+    kwargs = dict(kwargs)
+    if stage == "intra":
+        H, HV = args[0].shape[2], args[2].shape[2]
+        kwargs = dict(fold_dg=True, emit_bf16=HV == H) if impl == "cute" else {}
+    reason = chosen[0].gate(*args, **kwargs)
+    if reason is not None:
+        pytest.skip(f"{stage}/{impl}: {reason}")
+    fn = chosen[0].fn
+    if stage == "intra" and impl != "cute":
+        from kda_chain.stages import dg_cumsum
+
+        def run():
+            out = fn(*args, **kwargs)
+            return dg_cumsum.impls[[i.name for i in dg_cumsum.impls].index(impl)].fn(out[3], 64)
+    else:
+        def run():
+            return fn(*args, **kwargs)
+    benchmark.group = f"stage {stage} {shape}"
+    benchmark.extra_info.update(shape=shape, stage=stage, impl=impl, **SHAPES[shape])
+    benchmark.pedantic(run, rounds=20, warmup_rounds=3)
