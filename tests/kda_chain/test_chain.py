@@ -1,0 +1,165 @@
+"""The chain on CPU: end-to-end against autograd through the naive recurrence (float64), the
+dispatch record and its reasons, input validation, whole-call delegation, the intra fold logic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kda_chain import chunk_kda, dispatch_log, is_supported, reset_dispatch_log
+from kda_chain import stages as S
+from kda_cute.reference import naive_kda, rel_err
+
+D = torch.float64
+
+
+def _inputs(B=2, T=100, H=2, HV=4, K=16, V=8, dtype=D, seed=0, h0=True):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)
+
+    x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=r(B, T, HV, K), beta=r(B, T, HV),
+             A_log=r(HV), dt_bias=r(HV * K))
+    x["initial_state"] = r(B, HV, K, V) if h0 else None
+    return x
+
+
+FLAGS = [
+    dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True),
+    dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+         allow_neg_eigval=True, lower_bound=-5.0),
+    dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True),
+]
+
+
+@pytest.mark.parametrize("shape", [dict(T=100, H=2, HV=4), dict(T=64, H=2, HV=2), dict(T=130, H=1, HV=3)])
+@pytest.mark.parametrize("flags", FLAGS, ids=["gate", "gate_lb_negeig", "pregate"])
+def test_chain_matches_autograd_through_naive_recurrence(shape, flags):
+    x = _inputs(**shape)
+    if not flags.get("use_gate_in_kernel"):
+        with torch.no_grad():  # a pre-computed log gate must be negative
+            x["g"].copy_(-torch.nn.functional.softplus(x["g"]))
+    kw = dict(initial_state=x["initial_state"], output_final_state=True, **flags)
+    if flags.get("use_gate_in_kernel"):
+        kw.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
+    leaves = [n for n in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+              if n in ("q", "k", "v", "g", "beta", "initial_state") or flags.get("use_gate_in_kernel")]
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(*x["v"].shape, generator=gen, dtype=D)
+    dht = torch.randn(*x["initial_state"].shape, generator=gen, dtype=D)
+
+    def run(fn):
+        for n in leaves:
+            x[n].grad = None
+        o, ht = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        ((o * do).sum() + (ht * dht).sum()).backward()
+        return [o.detach(), ht.detach()] + [x[n].grad.clone() for n in leaves]
+
+    ours = run(chunk_kda)
+    want = run(naive_kda)
+    for name, a, b in zip(["o", "ht"] + ["d" + n for n in leaves], ours, want, strict=True):
+        assert rel_err(a, b) < 1e-9, (name, rel_err(a, b))
+
+
+def test_cpu_dispatch_goes_to_reference_with_reasons():
+    x = _inputs(T=64)
+    reset_dispatch_log()
+    o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=x["A_log"])
+    o.sum().backward()
+    log = {c.stage: c for c in dispatch_log()}
+    for stage in ("fwd", "b1", "dhu", "intra"):
+        assert log[stage].impl == "reference"
+        assert "cute: " in log[stage].reason and "fla: no CUDA device" in log[stage].reason
+    assert "dg_cumsum" in log, "without the CuTe intra the dg cumsum stage must run"
+    assert log["bwd_wy_dqkg"].reason == "fla: no CUDA device"
+
+
+def test_force_fla_env_is_read_per_call(monkeypatch):
+    x = _inputs(T=64)
+    monkeypatch.setenv("KDA_FORCE_FLA", "intra")
+    impl, reason = S.intra.choose(x["q"], x["k"], x["g"], x["beta"], *[None] * 6)
+    assert reason.startswith("cute: forced to fla by KDA_FORCE_FLA")
+    monkeypatch.delenv("KDA_FORCE_FLA")
+    impl, reason = S.intra.choose(x["q"], x["k"], x["g"], x["beta"], *[None] * 6)
+    assert "forced" not in reason
+
+
+def test_intra_fold_dg_path_skips_dg_cumsum(monkeypatch):
+    """With a CuTe intra the chain asks for fold_dg and drops dg_cumsum; the result is the same.
+    The 'CuTe' implementation here is the reference's bwd_intra (which honours fold_dg)."""
+    from kda_cute import reference as ref
+
+    x = _inputs(T=128, H=2, HV=2)
+    kw = dict(use_gate_in_kernel=True, A_log=x["A_log"], initial_state=x["initial_state"])
+    o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    o.sum().backward()
+    want = [x[n].grad.clone() for n in ("q", "k", "g", "beta")]
+
+    seen = {}
+
+    def fake_cute(*args, **kwargs):
+        seen.update(kwargs)
+        return ref.bwd_intra(*args, **kwargs)
+
+    fake = S.Impl("cute", lambda *a, **k: None, fake_cute)
+    monkeypatch.setattr(S.intra, "impls", [fake, *S.intra.impls[1:]])
+    for n in ("q", "k", "g", "beta"):
+        x[n].grad = None
+    reset_dispatch_log()
+    o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    o.sum().backward()
+    stages = [c.stage for c in dispatch_log()]
+    assert seen == {"fold_dg": True, "emit_bf16": False}  # float64 inputs: no bf16 emission
+    assert "dg_cumsum" not in stages
+    for n, w in zip(("q", "k", "g", "beta"), want, strict=True):
+        assert rel_err(x[n].grad, w) < 1e-12, n
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda x: x.update(k=x["k"][:, :, :1]), "q and k must have the same shape"),
+    (lambda x: x.update(v=x["v"][:, :, :3]), "must be a multiple of H"),
+    (lambda x: x.update(g=x["g"][..., :8]), "g must have shape"),
+    (lambda x: x.update(beta=x["beta"][:, :50]), "beta must have shape"),
+    (lambda x: x.update(v=x["v"].float()), "v dtype"),
+    (lambda x: x.update(q=x["q"].long(), k=x["k"].long()), "floating dtype"),
+    (lambda x: x.update(initial_state=x["initial_state"][:1]), "initial_state must have shape"),
+    (lambda x: x.update(initial_state=x["initial_state"].half()), "initial_state must be float32"),
+])
+def test_bad_input_fails_before_any_stage(mutate, match):
+    x = _inputs(T=64)
+    mutate(x)
+    reset_dispatch_log()
+    with pytest.raises(ValueError, match=match):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"])
+    assert dispatch_log() == []
+
+
+def test_gate_in_kernel_needs_A_log_and_neg_eigval_needs_sigmoid():
+    x = _inputs(T=64)
+    with pytest.raises(ValueError, match="A_log must be given"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], allow_neg_eigval=True)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_sz=64)
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(cu_seqlens=torch.tensor([0, 64])), "cu_seqlens"),
+    (dict(safe_gate=True), "safe_gate"),
+    (dict(state_v_first=True), "state_v_first"),
+    (dict(chunk_size=32), "chunk_size 32"),
+])
+def test_unimplemented_flags_go_to_fla_and_say_so(kw, why):
+    x = _inputs(B=1, T=64)
+    with pytest.raises(NotImplementedError, match=why):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+
+
+def test_is_supported_names_a_reason_per_cute_stage():
+    q = torch.empty(2, 128, 4, 128, dtype=torch.bfloat16)
+    v = torch.empty(2, 128, 4, 256, dtype=torch.bfloat16)
+    r = is_supported(q, v)
+    assert set(r) == {"fwd", "b1", "dhu", "intra"}
+    assert all(reason and "cute: " in reason for reason in r.values())
+    assert "chunk_size 32" in is_supported(q, v, chunk_size=32)["intra"]
