@@ -1,0 +1,80 @@
+"""The chain on the GPU against fla 0.6.0 and the float64 reference, end to end.
+
+For each shape: fresh random inputs, one fwd+bwd through (a) our chunk_kda, (b) fla's chunk_kda,
+(c) the float64 reference chain on the same (upcast) inputs. Every output's error against (c) —
+o, ht, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 — must be no worse than 2x fla's error
+(plus 1e-6 absolute slack for outputs fla gets exactly). Every output must exist and be finite
+(kernel outputs are poisoned with NaN in the kernels' own tests). Results go to $OUT/chain_errors.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+SHAPES = {
+    "ref": dict(B=16, T=8192, H=16, HV=16, K=128, V=256, dtype=torch.bfloat16),
+    "gva_fp16": dict(B=2, T=1024, H=4, HV=8, K=128, V=128, dtype=torch.float16),
+    "one_chunk": dict(B=3, T=64, H=2, HV=2, K=128, V=64, dtype=torch.bfloat16),
+    "ragged_T": dict(B=2, T=1000, H=2, HV=4, K=64, V=128, dtype=torch.bfloat16),
+}
+FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+             output_final_state=True)
+_results: dict = {}
+
+
+def make(B, T, H, HV, K, V, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*s, dt=dtype, scale=1.0):
+        return (torch.randn(s, generator=g, device="cuda") * scale).to(dt)
+
+    x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=r(B, T, HV, K), beta=r(B, T, HV),
+             A_log=torch.log(torch.empty(HV, device="cuda").uniform_(1, 16, generator=g)),
+             dt_bias=r(HV * K, dt=torch.float32, scale=0.1),
+             initial_state=r(B, HV, K, V, dt=torch.float32, scale=0.1))
+    return x, dict(do=r(B, T, HV, V), dht=r(B, HV, K, V, dt=torch.float32))
+
+
+def run(fn, x, cot, dtype=None):
+    names = list(x)
+    leaves = {n: (t.to(dtype) if dtype else t).detach().requires_grad_(True) for n, t in x.items()}
+    o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+               A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"],
+               **FLAGS)
+    do, dht = (c.to(dtype or c.dtype) for c in (cot["do"], cot["dht"]))
+    ((o * do.to(o.dtype)).sum() + (ht * dht.to(ht.dtype)).sum()).backward()
+    out = {"o": o.detach(), "ht": ht.detach()}
+    for n in names:
+        out["d" + n] = leaves[n].grad
+    return out
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_chain_within_2x_of_fla_error(shape):
+    from fla.ops.kda import chunk_kda as fla_kda
+    from kda_chain import chunk_kda, dispatch_log, reset_dispatch_log
+    from kda_cute.reference import chunk_kda_reference, rel_err
+
+    x, cot = make(**SHAPES[shape])
+    reset_dispatch_log()
+    ours = run(chunk_kda, x, cot)
+    choices = {c.stage: (c.impl, c.reason) for c in dispatch_log()}
+    fla = run(fla_kda, x, cot)
+    ref = run(chunk_kda_reference, x, cot, dtype=torch.float64)
+    rows = {}
+    for name, want in ref.items():
+        assert ours[name] is not None, f"{name}: no gradient"
+        assert torch.isfinite(ours[name]).all(), f"{name}: non-finite values"
+        e_ours, e_fla = rel_err(ours[name], want), rel_err(fla[name], want)
+        rows[name] = (e_ours, e_fla)
+    _results[shape] = {"errors": rows, "stages": choices}
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "chain_errors.json"), "w") as f:
+            json.dump(_results, f, indent=1, default=str)
+    print(f"\n{shape}: " + "  ".join(f"{n} {a:.2e}/{b:.2e}" for n, (a, b) in rows.items()))
+    bad = {n: r for n, r in rows.items() if not (r[0] <= 2 * r[1] + 1e-6)}
+    assert not bad, f"errors worse than 2x fla's (ours, fla): {bad}; stages: {choices}"
