@@ -1,0 +1,87 @@
+"""The dispatch record's one format: profiler ranges named `kda::<stage>::<impl>[::<reason>]`.
+
+The chain opens one such range around every stage call (`stage_range`), and the witness reads
+them back from a trace (`parse_stage_range`). Both sides import this module, so the format lives
+in exactly one place. `annotate` is the general tool underneath: a `torch.profiler`
+record_function that works as a context manager and as a decorator, and is re-entrant (a fresh
+record_function per entry, so a decorated function may recurse or run on several threads).
+
+Names: stage and impl are identifiers without "::"; the reason is free text (the first
+implementation's `is_supported` message, e.g. "cute: T % 64 != 0") and may itself contain "::",
+so the parser splits at most three times. Line breaks in a reason become spaces: a trace viewer
+shows one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from torch.profiler import record_function
+
+PREFIX = "kda"
+SEP = "::"
+
+
+class annotate(contextlib.ContextDecorator):
+    """Mark a region as a profiler range named `name` (a `user_annotation` event in the trace).
+
+        with annotate("kda::intra::cute"): ...
+
+        @annotate("my_step")
+        def step(...): ...
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._open = threading.local()
+
+    def _recreate_cm(self):
+        # ContextDecorator reuses self for every decorated call; give each call its own range.
+        return annotate(self.name)
+
+    def __enter__(self):
+        stack = self._open.__dict__.setdefault("stack", [])
+        rf = record_function(self.name)
+        rf.__enter__()
+        stack.append(rf)
+        return self
+
+    def __exit__(self, *exc):
+        self._open.stack.pop().__exit__(*exc)
+        return False
+
+
+def range_name(stage: str, impl: str, reason: str | None = None) -> str:
+    """`kda::<stage>::<impl>` or `kda::<stage>::<impl>::<reason>`."""
+    for what, part in (("stage", stage), ("impl", impl)):
+        if not part or SEP in part:
+            raise ValueError(f"kda range {what} must be non-empty and contain no '::': {part!r}")
+    name = f"{PREFIX}{SEP}{stage}{SEP}{impl}"
+    if reason:
+        name += SEP + " ".join(str(reason).split())
+    return name
+
+
+def stage_range(stage: str, impl: str, reason: str | None = None) -> annotate:
+    """The range the chain opens around one stage call (see ARCHITECTURE.md, Dispatch record)."""
+    return annotate(range_name(stage, impl, reason))
+
+
+def parse_stage_range(name: str) -> tuple[str, str, str | None] | None:
+    """(stage, impl, reason) from a range name, reason None when absent; None if not a kda range."""
+    parts = name.split(SEP, 3)
+    if len(parts) < 3 or parts[0] != PREFIX or not parts[1] or not parts[2]:
+        return None
+    return parts[1], parts[2], (parts[3] or None) if len(parts) == 4 else None
+
+
+# The four CuTe kernels and the stage each one implements. A trace shows the DSL-decorated name
+# (`cutlass_dsl_<module>_kernel_cutlass__kda_cute_intra_...`), so these match as substrings;
+# none is a substring of another.
+CUTE_KERNELS: dict[str, str] = {
+    "kda_cute_fwd": "fwd",
+    "kda_cute_b1": "b1",
+    "kda_cute_dhu": "dhu",
+    "kda_cute_intra": "intra",
+}
