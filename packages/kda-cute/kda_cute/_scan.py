@@ -1,0 +1,199 @@
+"""Shared structure of the three sm_90 state-scan kernels (b1 = fwd_h, fwd = fwd_h + fwd_o, dhu).
+
+All three scans have the same skeleton, so it lives here once:
+
+  * one CTA = one warpgroup (128 threads) per (b, hv, 64-wide V tile); grid (V/64, HV, B);
+  * the state S (h or dh) is [K=128, 64] fp32, held as the accumulator of a warpgroup MMA
+    (`mma_kv`: M = 128 state rows (two 64-row atoms), N = 64, reduction over the 64 tokens of
+    a chunk), so the update `S = exp2(gd) * S + X^T Y` is a row scale of the accumulator
+    followed by wgmma instructions accumulating straight into it;
+  * the bf16 copy of S that fla casts for its `w @ h` style dots is written to shared memory
+    in exactly the swizzled MN-major B-operand layout the token GEMM (`mma_tt`: M = 64
+    tokens, N = 64, reduction over K = 128) reads, and the same buffer is the source of the
+    TMA bulk store of the per-chunk checkpoint (h / dh) - one smem write serves both;
+  * per-chunk operand tiles arrive by TMA into an S-stage ring guarded by one mbarrier per
+    stage (thread 0 refills stage c % S with chunk c + S once every thread is done with it),
+    so loads for later chunks are in flight while the serial recurrence runs;
+  * per-chunk bf16 outputs (v_new, o, dv2) are staged in smem (the v_new / dv2 buffer is also
+    the B operand of the state GEMM) and leave by TMA store; TMA clips the rows past T of the
+    last partial chunk, and its zero-filled loads make those rows contribute nothing.
+
+Global views (the mode order every TMA tile and smem layout is written against):
+    row view  (T, X, heads, B)      token-major operand tiles (A K-major: w, kg, qg, q, Aqk)
+    col view  (X, T, heads, B)      feature-major tiles (A/B MN-major: kg^T, w^T, qg^T, u, do, dv,
+                                    and the v_new / o / dv2 stores)
+    state     (V, K, HV, NT, B)     per-chunk h / dh checkpoints (V contiguous, fla's layout)
+    fp32 state (K, V, HV, B)        h0 / ht / dht / dh0 (read/written once per CTA)
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+BT = 64  # chunk
+KD = 128  # key dim (state rows)
+BV = 64  # V tile per CTA (state columns)
+THREADS = 128  # one warpgroup
+
+_K = warpgroup.OperandMajorMode.K
+_MN = warpgroup.OperandMajorMode.MN
+
+
+# ----------------------------------------------------------------------------------------- host
+def make_mma(dtype, a_k_major: bool, b_k_major: bool):
+    """One-warpgroup wgmma, 64 x 64 x 16 atom, fp32 accumulate."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, _K if a_k_major else _MN, _K if b_k_major else _MN, cutlass.Float32, (1, 1, 1), tiler_mn=(64, 64)
+    )
+
+
+def mma_tt(dtype):
+    """(M = 64 tokens, N = 64 v) over K: A token-major rows (K-major), B the state / v tile (MN-major)."""
+    return make_mma(dtype, True, False)
+
+
+def mma_kv(dtype):
+    """(M = 128 state rows, N = 64 v) over the chunk's tokens: A = X^T (MN-major), B MN-major."""
+    return make_mma(dtype, False, False)
+
+
+def smem_layout(dtype, rows: int, cols: int, k_major: bool, stages: int):
+    """Swizzled operand layout (rows = M or N, cols = reduction, stages); 128B swizzle."""
+    major = cols if k_major else rows
+    assert (major * dtype.width) % 1024 == 0
+    kind = warpgroup.SmemLayoutAtomKind.K_SW128 if k_major else warpgroup.SmemLayoutAtomKind.MN_SW128
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2) if k_major else (1, 0, 2))
+
+
+def one_stage(layout_staged):
+    return cute.slice_(layout_staged, (None, None, 0))
+
+
+def row_view(t: cute.Tensor) -> cute.Tensor:
+    """[B, T, heads, X] -> (T, X, heads, B)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+def col_view(t: cute.Tensor) -> cute.Tensor:
+    """[B, T, heads, X] -> (X, T, heads, B)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[3, 1, 2, 0]))
+
+
+def state_view(t: cute.Tensor) -> cute.Tensor:
+    """[B, NT, HV, K, V] -> (V, K, HV, NT, B)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[4, 3, 2, 1, 0]))
+
+
+def fp32_state_view(t: cute.Tensor) -> cute.Tensor:
+    """[B, HV, K, V] -> (K, V, HV, B)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+
+
+def tma_load(view: cute.Tensor, layout_staged, tile):
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, one_stage(layout_staged), tile)
+
+
+def tma_store(view: cute.Tensor, layout_staged, tile):
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), view, one_stage(layout_staged), tile)
+
+
+def tile_bytes(dtype, layout_staged) -> int:
+    return cute.size_in_bytes(dtype, one_stage(layout_staged))
+
+
+# --------------------------------------------------------------------------------------- device
+def smem_tensor(buf, layout_staged):
+    """Tensor over a struct MemRange with the swizzle in the pointer (what wgmma descriptors want)."""
+    return buf.get_tensor(layout_staged.outer, swizzle=layout_staged.inner)
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes (keeps a trailing stage mode)."""
+    r = cute.rank(t.layout)
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0] + list(range(2, r))))
+
+
+def tma_part(atom, s_tensor, g_tiles):
+    """TMA partition: smem (r, c[, stages]) and gmem (r, c, n) -> ((vals)[, stages]), ((vals), n)."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_tensor, 0, 2), cute.group_modes(g_tiles, 0, 2))
+
+
+def gemm(tiled_mma, acc, tA, tB, stage_a, stage_b, accumulate: bool):
+    """acc (+)= A @ B over all k-blocks of the fragments; stage_x None for an unstaged operand."""
+    nk = cute.size(tA, mode=[2])
+    tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate)
+    for kb in range(nk):
+        a = tA[None, None, kb] if stage_a is None else tA[None, None, kb, stage_a]
+        b = tB[None, None, kb] if stage_b is None else tB[None, None, kb, stage_b]
+        cute.gemm(tiled_mma, acc, a, b, acc)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+
+def frag_to_smem(frag, s_part, dtype):
+    """fp32 accumulator fragment -> `dtype` into an smem partition of the same shape."""
+    tmp = cute.make_rmem_tensor_like(frag, dtype)
+    tmp.store(frag.load().to(dtype))
+    cute.autovec_copy(tmp, s_part)
+
+
+def smem_to_frag_f32(s_part, like):
+    tmp = cute.make_rmem_tensor_like(like, s_part.element_type)
+    cute.autovec_copy(s_part, tmp)
+    out = cute.make_rmem_tensor_like(like, cutlass.Float32)
+    out.store(tmp.load().to(cutlass.Float32))
+    return out
+
+
+def sync_smem_for_async():
+    """Generic-proxy smem writes -> visible to wgmma / TMA (async proxy), then CTA barrier."""
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def load_row_scale(s_g: cute.Tensor, g_row: cute.Tensor, tid: cutlass.Int32):
+    """s_g[k] = exp2(g_row[k]) for k < 128, one element per thread (a coalesced 512 B read)."""
+    s_g[tid] = cute.arch.exp2(g_row[tid])
+
+
+@cute.jit
+def scale_rows(acc: cute.Tensor, coords: cute.Tensor, s_g: cute.Tensor, mul: cutlass.Float32):
+    """acc[r, :] *= s_g[r] * mul (coords: identity partition giving each element's (row, col))."""
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = acc[i] * (s_g[coords[i][0]] * mul)
+
+
+def issue_chunk(mbar, s, nbytes: int, loads, n):
+    """(one thread) expect `nbytes` on barrier s and TMA-load chunk n of every (atom, gmem, smem)."""
+    cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, nbytes)
+    for atom, tg, ts in loads:
+        cute.copy(atom, tg[None, n], ts[None, s], tma_bar_ptr=mbar + s)
+
+
+def store_chunk(atom, ts, tg, n):
+    """(one thread) TMA-store an smem tile to chunk n and commit the bulk group."""
+    cute.copy(atom, ts, tg[None, n])
+    cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
+def prologue(mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads, first, step, NT, tid):
+    """Init one mbarrier per stage and put the first chunks in flight (chunk order first, first+step...)."""
+    if tid == 0:
+        for i in cutlass.range_constexpr(nstages):
+            cute.arch.mbarrier_init(mbar + i, 1)
+        cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    if tid == 0:
+        for i in cutlass.range_constexpr(nstages):
+            if i < NT:
+                issue_chunk(mbar, i, nbytes, loads, first + step * i)
+
+
+def wgmma_wait():
+    cute.nvgpu.warpgroup.commit_group()
+    cute.nvgpu.warpgroup.wait_group(0)

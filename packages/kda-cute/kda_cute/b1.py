@@ -1,0 +1,293 @@
+"""b1: the forward state scan `fwd_h` on sm_90 (fla 0.6.0's `chunk_gated_delta_rule_fwd_h`).
+
+Computes, per (b, hv), over chunks c of 64 tokens (gk in log2 units, gd = gk at the chunk's last
+valid row):
+
+    h[:, c]   = h_c                                   (bf16 checkpoint, [B, NT, HV, K, V])
+    v_new_c   = u_c - w_c @ bf16(h_c)                  (fp32 accumulate, stored bf16)
+    h_{c+1}   = exp2(gd_c)[:, None] * h_c + kg_c^T @ bf16(v_new_c)
+    ht        = h_NT (fp32, when output_final_state)
+
+exactly where fla casts (h and v_new to the input dtype before their dots, fp32 accumulation).
+
+CTA decomposition / layouts: see `kda_cute._scan` (one warpgroup per (b, hv, 64-wide V tile),
+the state as a wgmma accumulator, the bf16 state in smem as the B operand of `w @ h` and the
+TMA-store source of the checkpoint; w / kg / u by TMA on an mbarrier ring). w is the K-major
+A of `w @ h`; kg arrives feature-major (K, T) so it is the MN-major A of `kg^T @ v_new`
+(no transpose pass); u arrives (V, T), the same smem layout as the v_new buffer, read in the
+accumulator layout of `w @ h`.
+
+Measured numbers and alternatives: see the bottom of this docstring (filled from the H200 runs)
+and bench/results/scans_*.md.
+"""
+
+
+import torch
+
+from ._common.cache import CallCache, alloc
+from ._common.support import compile_arch, device_reason
+from . import _scan as S
+
+STAGES = 2
+GRID_FLOOR = 0  # CTAs (B * HV * V/64) below which fla is preferred; set from measurement
+_cache = CallCache("kda_cute_b1")
+_DT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _cutlass_dtype(dt):
+    import cutlass
+
+    return cutlass.BFloat16 if dt == torch.bfloat16 else cutlass.Float16
+
+
+class _B1:
+    def __init__(self, dtype, V: int, HV: int, ratio_k: int, has_h0: bool, store_ht: bool, stages: int):
+        self.dtype, self.V, self.HV, self.ratio_k = dtype, V, HV, ratio_k
+        self.has_h0, self.store_ht, self.stages = has_h0, store_ht, stages
+
+    def _layouts(self):
+        import cutlass
+        import cutlass.cute as cute
+
+        dt, st = self.dtype, self.stages
+        self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # (t, k) A K-major
+        self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # (k, t) A MN-major
+        self.l_u = S.smem_layout(dt, S.BV, S.BT, False, st)  # (v, t) B MN-major
+        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, 1)  # (v, k) B MN-major
+        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, 1)  # (v, t) B MN-major
+        self.tx_bytes = S.tile_bytes(dt, self.l_w) + S.tile_bytes(dt, self.l_kg) + S.tile_bytes(dt, self.l_u)
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[cutlass.Int64, st]
+            sG: cute.struct.MemRange[cutlass.Float32, S.KD]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_w)], 1024]
+            sKg: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_kg)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_u)], 1024]
+            sH: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_h)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_v)], 1024]
+
+        self.storage = Storage
+
+    def compile_fn(self):
+        import cutlass
+        import cutlass.cute as cute
+
+        this = self
+
+        @cute.jit
+        def run(kg, w, u, gk, h0, h, v_new, ht, stream):
+            this._layouts()
+            mKg = S.col_view(kg)
+            mW = S.row_view(w)
+            mU = S.col_view(u)
+            atom_w, tma_w = S.tma_load(mW, this.l_w, (S.BT, S.KD))
+            atom_kg, tma_kg = S.tma_load(mKg, this.l_kg, (S.KD, S.BT))
+            atom_u, tma_u = S.tma_load(mU, this.l_u, (S.BV, S.BT))
+            atom_h, tma_h = S.tma_store(S.state_view(h), this.l_h, (S.BV, S.KD))
+            atom_v, tma_v = S.tma_store(S.col_view(v_new), this.l_v, (S.BV, S.BT))
+            mma_tt = S.mma_tt(this.dtype)
+            mma_kv = S.mma_kv(this.dtype)
+            B = cute.size(u, mode=[0])
+            this.kda_cute_b1(
+                atom_w, tma_w, atom_kg, tma_kg, atom_u, tma_u, atom_h, tma_h, atom_v, tma_v,
+                S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht), mma_tt, mma_kv,
+            ).launch(grid=(this.V // S.BV, this.HV, B), block=[S.THREADS, 1, 1], stream=stream)
+
+        return run
+
+    @property
+    def kda_cute_b1(self):
+        return _b1_kernel(self)
+
+
+def _b1_kernel(cfg):
+    import cutlass
+    import cutlass.cute as cute
+
+    class K:
+        @cute.kernel
+        def kda_cute_b1(
+            self, atom_w, tma_w, atom_kg, tma_kg, atom_u, tma_u, atom_h, tma_h, atom_v, tma_v,
+            mGk, mH0, mHt, mma_tt: cute.TiledMma, mma_kv: cute.TiledMma,
+        ):
+            nst = cfg.stages
+            cfg._layouts()
+            tid, _, _ = cute.arch.thread_idx()
+            vt, hv, b = cute.arch.block_idx()
+            hk = hv // cfg.ratio_k
+            T = cute.size(mGk, mode=[1])
+            NT = (T + S.BT - 1) // S.BT
+
+            smem = cutlass.utils.SmemAllocator()
+            st = smem.allocate(cfg.storage)
+            mbar = st.mbar.data_ptr()
+            sG = st.sG.get_tensor(cute.make_layout(S.KD))
+            sW = S.smem_tensor(st.sW, cfg.l_w)
+            sKg = S.smem_tensor(st.sKg, cfg.l_kg)
+            sU = S.smem_tensor(st.sU, cfg.l_u)
+            sH = S.smem_tensor(st.sH, cfg.l_h)[None, None, 0]
+            sV = S.smem_tensor(st.sV, cfg.l_v)[None, None, 0]
+
+            gW = cute.local_tile(tma_w, (S.BT, S.KD), (None, 0, hv, b))
+            gKg = cute.local_tile(tma_kg, (S.KD, S.BT), (0, None, hk, b))
+            gU = cute.local_tile(tma_u, (S.BV, S.BT), (vt, None, hv, b))
+            gH = cute.local_tile(tma_h, (S.BV, S.KD), (vt, 0, hv, None, b))
+            gVn = cute.local_tile(tma_v, (S.BV, S.BT), (vt, None, hv, b))
+            tWs, tWg = S.tma_part(atom_w, sW, gW)
+            tKs, tKg = S.tma_part(atom_kg, sKg, gKg)
+            tUs, tUg = S.tma_part(atom_u, sU, gU)
+            tHs, tHg = S.tma_part(atom_h, sH, gH)
+            tVs, tVg = S.tma_part(atom_v, sV, gVn)
+
+            loads = [(atom_w, tWg, tWs), (atom_kg, tKg, tKs), (atom_u, tUg, tUs)]
+            S.prologue(mbar, nst, cfg.tx_bytes, loads, 0, 1, NT, tid)
+
+            thr_tt = mma_tt.get_slice(tid)
+            thr_kv = mma_kv.get_slice(tid)
+            tAw = mma_tt.make_fragment_A(thr_tt.partition_A(sW))
+            tBh = mma_tt.make_fragment_B(thr_tt.partition_B(sH))
+            tAk = mma_kv.make_fragment_A(thr_kv.partition_A(sKg))
+            tBv = mma_kv.make_fragment_B(thr_kv.partition_B(sV))
+            cS = thr_kv.partition_C(cute.make_identity_tensor((S.KD, S.BV)))
+            cP = thr_tt.partition_C(cute.make_identity_tensor((S.BT, S.BV)))
+            acc = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
+            accP = cute.make_rmem_tensor(cP.shape, cutlass.Float32)
+            tSsH = thr_kv.partition_C(S.transposed(sH))
+            tPsV = thr_tt.partition_C(S.transposed(sV))
+            sU_tv = S.transposed(sU)
+
+            tSgHt = thr_kv.partition_C(cute.local_tile(mHt, (S.KD, S.BV), (0, vt, hv, b)))
+            gH0 = cute.local_tile(mH0, (S.KD, S.BV), (0, vt, hv, b))
+            if cutlass.const_expr(cfg.has_h0):
+                cute.autovec_copy(thr_kv.partition_C(gH0), acc)
+            else:
+                acc.fill(0.0)
+
+            for c in cutlass.range(NT, unroll=1):
+                s = c % nst
+                phase = (c // nst) % 2
+                last = cutlass.min((c + 1) * S.BT, T) - 1
+                S.load_row_scale(sG, mGk[None, last, hv, b], tid)
+                S.frag_to_smem(acc, tSsH, cfg.dtype)
+                S.sync_smem_for_async()
+                if tid == 0:
+                    S.store_chunk(atom_h, tHs, tHg, c)
+                cute.arch.mbarrier_wait(mbar + s, phase)
+                # v_new = u - w @ bf16(h)
+                cute.nvgpu.warpgroup.fence()
+                S.gemm(mma_tt, accP, tAw, tBh, s, None, False)
+                S.wgmma_wait()
+                uf = S.smem_to_frag_f32(thr_tt.partition_C(sU_tv[None, None, s]), accP)
+                accP.store(uf.load() - accP.load())
+                S.frag_to_smem(accP, tPsV, cfg.dtype)
+                S.sync_smem_for_async()
+                if tid == 0:
+                    S.store_chunk(atom_v, tVs, tVg, c)
+                # h = exp2(gd) * h + kg^T @ bf16(v_new)
+                S.scale_rows(acc, cS, sG, cutlass.Float32(1.0))
+                cute.nvgpu.warpgroup.fence()
+                S.gemm(mma_kv, acc, tAk, tBv, s, None, True)
+                S.wgmma_wait()
+                if tid == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_threads()
+                if tid == 0:
+                    if c + nst < NT:
+                        S.issue_chunk(mbar, s, cfg.tx_bytes, loads, c + nst)
+
+            if cutlass.const_expr(cfg.store_ht):
+                cute.autovec_copy(acc, tSgHt)
+            if tid == 0:
+                cute.arch.cp_async_bulk_wait_group(0)
+
+    return K().kda_cute_b1
+
+
+# ------------------------------------------------------------------------------------ host side
+def is_supported(kg, w, u, gk, initial_state=None, output_final_state=False) -> str | None:
+    r = device_reason(u)
+    if r:
+        return r
+    return static_reason(kg, w, u, gk, initial_state)
+
+
+def static_reason(kg, w, u, gk, initial_state=None) -> str | None:
+    """Shape / dtype / layout checks (no device needed; the compile test uses this)."""
+    if u.dtype not in _DT:
+        return f"dtype {u.dtype} (bf16/fp16 only)"
+    if kg.dtype != u.dtype or w.dtype != u.dtype:
+        return "kg, w, u must share one dtype"
+    if gk.dtype != torch.float32:
+        return f"gk must be fp32 (got {gk.dtype})"
+    if u.dim() != 4 or kg.dim() != 4 or w.dim() != 4 or gk.dim() != 4:
+        return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
+    B, T, HV, V = u.shape
+    K = kg.shape[-1]
+    if K != S.KD:
+        return f"K={K} (only K=128)"
+    if V % S.BV:
+        return f"V={V} (V % 64 != 0)"
+    if T < 1:
+        return "T=0"
+    if tuple(w.shape) != (B, T, HV, K) or tuple(gk.shape) != (B, T, HV, K):
+        return "w / gk must be [B, T, HV, K]"
+    if kg.shape[0] != B or kg.shape[1] != T or HV % kg.shape[2]:
+        return "kg must be [B, T, H, K] with HV % H == 0"
+    for name, t in (("kg", kg), ("w", w), ("u", u), ("gk", gk)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    if initial_state is not None:
+        if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != (B, HV, K, V):
+            return "initial_state must be fp32 [B, HV, K, V]"
+        if not initial_state.is_contiguous() or initial_state.data_ptr() % 16:
+            return "initial_state not contiguous / aligned"
+    if B * HV * (V // S.BV) < GRID_FLOOR:
+        return f"grid {B * HV * (V // S.BV)} CTAs below the measured floor {GRID_FLOOR} (fla is faster)"
+    return None
+
+
+def _compile_key(kg, u, initial_state, output_final_state, stages):
+    return (_DT[u.dtype], u.shape[-1], u.shape[2], u.shape[2] // kg.shape[2], initial_state is not None,
+            bool(output_final_state), stages, compile_arch())
+
+
+def fwd_h(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages: int = STAGES):
+    """fla's `chunk_gated_delta_rule_fwd_h(k=kg, w, u, gk=gk, ...)` -> (h, v_new, ht)."""
+    B, T, HV, V = u.shape
+    K = kg.shape[-1]
+    NT = (T + S.BT - 1) // S.BT
+    dev = u.device
+    h = alloc((B, NT, HV, K, V), u.dtype, dev)
+    v_new = alloc(u.shape, u.dtype, dev)
+    ht = alloc((B, HV, K, V), torch.float32, dev) if output_final_state else None
+    dummy = _dummy(dev)
+    key = _compile_key(kg, u, initial_state, output_final_state, stages)
+    h0 = initial_state if initial_state is not None else dummy
+    ht_arg = ht if ht is not None else dummy
+    args = (kg, w, u, gk, h0, h, v_new, ht_arg)
+    dyn = ((0, 1), (0, 1), (0, 1), (0, 1), (0,) if initial_state is not None else (),
+           (0, 1), (0, 1), (0,) if ht is not None else ())
+
+    def build(views, stream):
+        import cutlass.cute as cute
+
+        cfg = _B1(_cutlass_dtype(u.dtype), V, HV, HV // kg.shape[2], initial_state is not None,
+                  bool(output_final_state), stages)
+        return cute.compile(cfg.compile_fn(), *views, stream)
+
+    _cache.launch(key, args, dyn, build)
+    return h, v_new, ht
+
+
+_dummies: dict = {}
+
+
+def _dummy(dev):
+    """A tiny fp32 [1, 1, 128, 64] placeholder for an absent h0 / ht (never touched)."""
+    d = _dummies.get(dev)
+    if d is None:
+        d = _dummies[dev] = torch.zeros((1, 1, S.KD, S.BV), dtype=torch.float32, device=dev)
+    return d
