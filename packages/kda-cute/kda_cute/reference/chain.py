@@ -203,7 +203,7 @@ def chunk_kda_reference(
         A_log = dt_bias = None
     if chunk_size not in (32, 64):
         raise ValueError(f"chunk_size must be 32 or 64, got {chunk_size}.")
-    B, T, H, K = q.shape
+    H, K = q.shape[2], q.shape[3]
     HV = v.shape[2]
     if HV % H:
         raise ValueError(f"HV={HV} must be a multiple of H={H}.")

@@ -272,8 +272,7 @@ def fwd_intra(
     Aqk, Akk [B,T,HV,BT] (k.dtype). Aqk is lower-triangular including the diagonal and scaled;
     Akk = (I + L)^-1 (unit lower-triangular), L_ij = beta_i k_i.k_j exp2(gk_i - gk_j), i > j.
     Entries above the diagonal are zero (fla leaves Aqk's unwritten; consumers mask them)."""
-    B, T, H, K = k.shape
-    HV = v.shape[2]
+    T, HV = k.shape[1], v.shape[2]
     BT = chunk_size
     dt = compute_dtype(q, k, v, gk, beta)
     qc = _to_chunks(_expand_heads(q, HV), BT, dt)

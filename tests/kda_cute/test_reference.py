@@ -1,0 +1,306 @@
+"""The plain-torch reference (kda_cute.reference) against autograd through the token-by-token oracle.
+
+Whole chain: `chunk_kda_reference` (explicit backward stages) vs `naive_kda` + torch.autograd, in
+float64, relative error < 1e-9 on o, ht and every gradient, over the flag surface (GVA, initial and
+final state, fused gate with/without dt_bias and with lower_bound, L2 norm, beta sigmoid,
+allow_neg_eigval, strong gates, one chunk, T not a multiple of 64, chunk_size 32).
+Stage units: fold_dg, emit_bf16, fwd_scan = fwd_h + fwd_o, bwd_dAv and bwd_dhu against autograd
+through the forward stages they invert, and fla's output dtypes for bf16 inputs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kda_cute.reference import (
+    beta_sigmoid_bwd,
+    beta_sigmoid_fwd,
+    bwd_dAv,
+    bwd_dhu,
+    bwd_intra,
+    bwd_wy_dqkg,
+    chunk_kda_reference,
+    chunk_local_cumsum,
+    dg_cumsum,
+    fwd_h,
+    fwd_intra,
+    fwd_o,
+    fwd_scan,
+    gate_bwd,
+    gate_chunk_cumsum,
+    gva_sum,
+    l2norm_bwd,
+    l2norm_fwd,
+    naive_gate,
+    naive_kda,
+    naive_recurrent_kda,
+    recompute_w_u,
+    rel_err,
+)
+
+F64 = torch.float64
+TOL = 1e-9
+
+
+def _make(B=2, T=200, H=2, HV=4, K=32, V=16, *, dtype=F64, h0=True, gate=False, dt_bias=True,
+          A_log=True, l2=False, bsig=False, strong=False, seed=0):
+    """Fresh random inputs. Without the in-op L2 norm, k is unit-norm (the delta rule's contract:
+    beta |k|^2 <= 2 keeps I - beta k k^T a contraction); q is raw. The per-step gate is negative:
+    -softplus(randn), or uniform down to -5 per step (strong); raw randn when the gate is fused."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, dtype=F64)
+
+    q, k, v = rn(B, T, H, K), rn(B, T, H, K), rn(B, T, HV, V)
+    if not l2:
+        k = F.normalize(k, dim=-1)
+    if gate:
+        g = rn(B, T, HV, K)
+    elif strong:
+        g = -5.0 * torch.rand(B, T, HV, K, generator=gen, dtype=F64)
+    else:
+        g = -F.softplus(rn(B, T, HV, K))
+    beta = rn(B, T, HV) if bsig else torch.rand(B, T, HV, generator=gen, dtype=F64)
+    extra = {
+        'initial_state': rn(B, HV, K, V) if h0 else None,
+        'A_log': rn(HV) * 0.5 if gate and A_log else None,
+        'dt_bias': rn(HV * K) if gate and dt_bias else None,
+    }
+    do, dht = rn(B, T, HV, V), rn(B, HV, K, V)
+    cast = {'q': q, 'k': k, 'v': v, 'g': g, 'beta': beta}
+    return {n: x.to(dtype) for n, x in cast.items()}, extra, do.to(dtype), dht
+
+
+CASES = {
+    # name: (shape kwargs, input kwargs, chunk_kda flags)
+    'one_chunk_mha': ({'T': 64, 'H': 2, 'HV': 2, 'K': 16, 'V': 16}, {'h0': False}, {}),
+    'gva_state': ({'T': 200, 'K': 32, 'V': 16}, {}, {}),
+    'short_T37_nostate': ({'T': 37, 'K': 16, 'V': 32}, {'h0': False}, {}),
+    'strong_gate': ({'T': 200, 'K': 16, 'V': 16}, {'strong': True}, {}),
+    'gate_dt_bias': ({'T': 150, 'K': 32, 'V': 16}, {'gate': True}, {'use_gate_in_kernel': True}),
+    'gate_no_dt_bias': ({'T': 100, 'K': 16, 'V': 32}, {'gate': True, 'dt_bias': False},
+                        {'use_gate_in_kernel': True}),
+    'gate_lower_bound': ({'T': 130, 'K': 16, 'V': 16}, {'gate': True},
+                         {'use_gate_in_kernel': True, 'lower_bound': -5.0}),
+    'gate_lower_bound_no_A_log': ({'T': 70, 'K': 16, 'V': 16}, {'gate': True, 'A_log': False},
+                                  {'use_gate_in_kernel': True, 'lower_bound': -3.0}),
+    'l2norm_sigmoid_neg_eigval': ({'T': 130, 'K': 32, 'V': 16}, {'l2': True, 'bsig': True},
+                                  {'use_qk_l2norm_in_kernel': True, 'use_beta_sigmoid_in_kernel': True,
+                                   'allow_neg_eigval': True}),
+    'everything': ({'T': 129, 'K': 16, 'V': 32}, {'l2': True, 'bsig': True, 'gate': True},
+                   {'use_qk_l2norm_in_kernel': True, 'use_beta_sigmoid_in_kernel': True,
+                    'use_gate_in_kernel': True}),
+    'chunk32': ({'T': 100, 'K': 16, 'V': 16}, {}, {'chunk_size': 32}),
+}
+
+
+@pytest.mark.parametrize('name', list(CASES))
+def test_chain_matches_autograd_through_recurrence(name):
+    shape, inputs, flags = CASES[name]
+    flags = dict(flags)
+    chunk_size = flags.pop('chunk_size', 64)
+    t, extra, do, dht = _make(**shape, **inputs)
+    leaves = {n: x.clone().requires_grad_() for n, x in {**t, **extra}.items() if x is not None}
+    names = list(leaves)
+
+    def run(fn, **kw):
+        args = {n: leaves.get(n) for n in ('initial_state', 'A_log', 'dt_bias')}
+        o, ht = fn(leaves['q'], leaves['k'], leaves['v'], leaves['g'], leaves['beta'],
+                   output_final_state=True, **args, **flags, **kw)
+        grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [leaves[n] for n in names])
+        return o, ht, dict(zip(names, grads))
+
+    o_ref, ht_ref, g_ref = run(naive_kda)
+    o, ht, g = run(chunk_kda_reference, chunk_size=chunk_size)
+    assert o.dtype == F64 and ht.dtype == F64
+    errs = {'o': rel_err(o, o_ref), 'ht': rel_err(ht, ht_ref)}
+    errs.update({f'd{n}': rel_err(g[n], g_ref[n]) for n in names})
+    assert max(errs.values()) < TOL, errs
+
+
+def test_chain_without_final_state_and_bf16_smoke():
+    """output_final_state=False gives ht None and dh0 from do alone; the bf16/fp32 path runs, returns
+    fla's dtypes and stays close to float64."""
+    t, extra, do, _ = _make(T=96, K=16, V=16)
+    h0 = extra['initial_state'].clone().requires_grad_()
+    leaves = {n: x.clone().requires_grad_() for n, x in t.items()}
+    o, ht = chunk_kda_reference(*leaves.values(), initial_state=h0)
+    assert ht is None
+    grads = torch.autograd.grad((o * do).sum(), [*leaves.values(), h0])
+    o_ref, _ = naive_kda(*leaves.values(), initial_state=h0)
+    grads_ref = torch.autograd.grad((o_ref * do).sum(), [*leaves.values(), h0])
+    assert rel_err(o, o_ref) < TOL
+    assert all(rel_err(a, b) < TOL for a, b in zip(grads, grads_ref))
+
+    lo = {n: x.detach().to(torch.bfloat16).requires_grad_() for n, x in t.items()}
+    h0f = extra['initial_state'].float().requires_grad_()
+    o16, ht16 = chunk_kda_reference(*lo.values(), initial_state=h0f, output_final_state=True)
+    assert o16.dtype == torch.bfloat16 and ht16.dtype == torch.float32
+    g16 = torch.autograd.grad((o16.float() * do.float()).sum(), [*lo.values(), h0f])
+    assert [x.dtype for x in g16] == [torch.bfloat16] * 5 + [torch.float32]
+    assert rel_err(o16, o_ref) < 2e-2
+    assert all(rel_err(a, b) < 5e-2 for a, b in zip(g16, grads_ref))
+
+
+def _load_fla_naive():
+    """fla's kda/naive.py loaded from its file alone: importing the fla package pulls in Triton and
+    takes tens of seconds on CPU, the naive module itself needs only torch and einops."""
+    spec = importlib.util.find_spec('fla')
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip('fla-core not installed')
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / 'ops' / 'kda' / 'naive.py'
+    pytest.importorskip('einops')
+    mod_spec = importlib.util.spec_from_file_location('_fla_kda_naive', path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def test_naive_matches_fla_naive():
+    """Our oracle agrees with fla's own naive_recurrent_kda (which computes in float32)."""
+    fla_naive = _load_fla_naive()
+    t, extra, _, _ = _make(T=50, K=16, V=16)
+    o, ht = naive_recurrent_kda(*t.values(), initial_state=extra['initial_state'], output_final_state=True)
+    o2, ht2 = fla_naive.naive_recurrent_kda(*t.values(), initial_state=extra['initial_state'],
+                                            output_final_state=True)
+    assert rel_err(o2, o) < 1e-5 and rel_err(ht2, ht) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# Stage units
+# ------------------------------------------------------------------------------------------------
+
+def _stage_inputs(dtype=F64, T=150, **kw):
+    """Run the forward and backward stages once (as the chain does) and hand back every tensor."""
+    t, extra, do, dht = _make(T=T, dtype=dtype, **kw)
+    q, k, v, g, beta = t.values()
+    h0 = extra['initial_state'].to(F64 if dtype == F64 else torch.float32)
+    scale = q.shape[-1] ** -0.5
+    gk = gate_chunk_cumsum(g, None, None, None, 64, False)
+    w, u, qg, kg, Aqk, Akk = fwd_intra(q, k, v, gk, beta, scale, 64)
+    h, v_new, ht = fwd_h(kg, w, u, gk, h0, True)
+    dAqk, dv = bwd_dAv(v_new, do, Aqk, scale)
+    dh, dh0, dv2 = bwd_dhu(qg, kg, w, gk, h0, dht.to(h0.dtype), do, dv, scale)
+    dq, dk, dv3, db, dg, dAkk = bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv2, scale)
+    return {
+        'q': q, 'k': k, 'v': v, 'g': g, 'beta': beta, 'h0': h0, 'scale': scale, 'gk': gk,
+        'w': w, 'u': u, 'qg': qg, 'kg': kg, 'Aqk': Aqk, 'Akk': Akk, 'h': h, 'v_new': v_new, 'ht': ht,
+        'do': do, 'dht': dht, 'dAqk': dAqk, 'dv': dv, 'dh': dh, 'dh0': dh0, 'dv2': dv2,
+        'dq': dq, 'dk': dk, 'dv3': dv3, 'db': db, 'dg': dg, 'dAkk': dAkk,
+    }
+
+
+def test_fold_dg_is_dg_cumsum_of_unfolded():
+    s = _stage_inputs()
+    args = [s[n] for n in ('q', 'k', 'gk', 'beta', 'dAqk', 'dAkk', 'dq', 'dk', 'db', 'dg')]
+    dq, dk, db, dg = bwd_intra(*args)
+    dq2, dk2, db2, dg2 = bwd_intra(*args, fold_dg=True)
+    assert torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(db, db2)
+    assert rel_err(dg2, dg_cumsum(dg, 64)) < 1e-14
+
+
+def test_emit_bf16_is_the_cast():
+    s = _stage_inputs(dtype=torch.bfloat16, HV=2)
+    args = [s[n] for n in ('q', 'k', 'gk', 'beta', 'dAqk', 'dAkk', 'dq', 'dk', 'db', 'dg')]
+    dq, dk, db, dg = bwd_intra(*args)
+    dq16, dk16, db16, dg16 = bwd_intra(*args, emit_bf16=True)
+    assert dq.dtype == torch.float32 and dq16.dtype == torch.bfloat16 and dk16.dtype == torch.bfloat16
+    assert torch.equal(dq16, dq.to(torch.bfloat16)) and torch.equal(dk16, dk.to(torch.bfloat16))
+    assert torch.equal(db, db16) and torch.equal(dg, dg16)
+
+
+@pytest.mark.parametrize('T', [64, 150])
+def test_fwd_scan_is_fwd_h_plus_fwd_o(T):
+    s = _stage_inputs(T=T)
+    o = fwd_o(s['q'], s['v_new'], s['gk'], s['Aqk'], s['h'], s['scale'])
+    o2, ht2 = fwd_scan(s['q'], s['kg'], s['w'], s['u'], s['gk'], s['Aqk'], s['h0'], True, s['scale'])
+    assert rel_err(o2, o) < 1e-14 and rel_err(ht2, s['ht']) < 1e-14
+    assert fwd_scan(s['q'], s['kg'], s['w'], s['u'], s['gk'], s['Aqk'], None, False, s['scale'])[1] is None
+
+
+def test_recompute_w_u_matches_fwd_intra():
+    s = _stage_inputs()
+    w, u, qg, kg = recompute_w_u(s['q'], s['k'], s['v'], s['beta'], s['Akk'], s['gk'])
+    for a, b in ((w, s['w']), (u, s['u']), (qg, s['qg']), (kg, s['kg'])):
+        assert rel_err(a, b) < 1e-14
+
+
+def test_dAv_and_dhu_are_autograd_of_the_forward_scan():
+    """bwd_dAv's dAqk is scale x the gradient of tril(Aqk); bwd_dhu's dv2 is the gradient of u and
+    dh0 that of h0, under the loss <o, do> + <ht, dht> with o, ht from fwd_h + fwd_o."""
+    s = _stage_inputs()
+    Aqk, u, h0 = (s[n].clone().requires_grad_() for n in ('Aqk', 'u', 'h0'))
+    h, v_new, ht = fwd_h(s['kg'], s['w'], u, s['gk'], h0, True)
+    o = fwd_o(s['q'], v_new, s['gk'], Aqk, h, s['scale'])
+    dA_ref, du_ref, dh0_ref = torch.autograd.grad((o * s['do']).sum() + (ht * s['dht']).sum(), [Aqk, u, h0])
+    assert rel_err(s['dAqk'], s['scale'] * dA_ref) < 1e-13
+    assert rel_err(s['dv2'], du_ref) < 1e-13
+    assert rel_err(s['dh0'], dh0_ref) < 1e-13
+    # dh[:, -1] is dht; dh0 is None without an initial state
+    assert torch.equal(s['dh'][:, -1], s['dht'])
+    assert bwd_dhu(s['qg'], s['kg'], s['w'], s['gk'], None, None, s['do'], s['dv'], s['scale'])[1] is None
+
+
+def test_small_stages_against_autograd():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 70, 4, 16, generator=gen, dtype=F64, requires_grad=True)
+    dy = torch.randn(2, 70, 4, 16, generator=gen, dtype=F64)
+    # chunk-local cumsum, forward and reverse
+    c = chunk_local_cumsum(x, 64, scale=0.5)
+    assert torch.allclose(c[:, :64], 0.5 * x[:, :64].cumsum(1))
+    assert torch.allclose(c[:, 64:], 0.5 * x[:, 64:].cumsum(1))
+    r = chunk_local_cumsum(x, 64, reverse=True)
+    assert torch.allclose(r[:, :64], x[:, :64].flip(1).cumsum(1).flip(1))
+    # l2 norm
+    y, rstd = l2norm_fwd(x)
+    (dx_ref,) = torch.autograd.grad(x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6), x, dy)
+    assert rel_err(l2norm_bwd(y, rstd, dy), dx_ref) < 1e-13
+    # beta sigmoid, scale 2
+    b = x[..., 0]
+    (db_ref,) = torch.autograd.grad(2 * torch.sigmoid(b), x, dy[..., 0])
+    assert rel_err(beta_sigmoid_fwd(b, 2.0), 2 * torch.sigmoid(b)) < 1e-15
+    assert rel_err(beta_sigmoid_bwd(b, dy[..., 0], 2.0), db_ref[..., 0]) < 1e-14
+    # gate, every variant
+    A_log = torch.randn(4, generator=gen, dtype=F64, requires_grad=True)
+    bias = torch.randn(64, generator=gen, dtype=F64, requires_grad=True)
+    for a, bb, lb in ((A_log, bias, None), (A_log, None, None), (A_log, bias, -5.0), (None, bias, -2.0)):
+        leaves = [t for t in (x, a, bb) if t is not None]
+        ref = torch.autograd.grad(naive_gate(x, a, bb, lb), leaves, dy)
+        got = [t for t in gate_bwd(x.detach(), a, bb, dy, lb) if t is not None]
+        assert all(rel_err(p, r) < 1e-13 for p, r in zip(got, ref))
+    # GVA sum: groups of consecutive value heads
+    assert torch.equal(gva_sum(x, 4), x)
+    assert rel_err(gva_sum(x, 2), x.view(2, 70, 2, 2, 16).sum(3)) < 1e-15
+
+
+def test_stage_dtypes_for_bf16_inputs():
+    """Every stage returns fla 0.6.0's dtypes: input-like tensors keep bf16, accumulators are fp32."""
+    bf, f32 = torch.bfloat16, torch.float32
+    s = _stage_inputs(dtype=bf, T=100)
+    expect = {
+        'gk': f32, 'w': bf, 'u': bf, 'qg': bf, 'kg': bf, 'Aqk': bf, 'Akk': bf, 'h': bf, 'v_new': bf,
+        'ht': f32, 'dAqk': f32, 'dv': bf, 'dh': bf, 'dh0': f32, 'dv2': bf, 'dq': f32, 'dk': f32,
+        'dv3': bf, 'db': f32, 'dg': f32, 'dAkk': f32,
+    }
+    assert {n: s[n].dtype for n in expect} == expect
+    o = fwd_o(s['q'], s['v_new'], s['gk'], s['Aqk'], s['h'], s['scale'])
+    o2, ht2 = fwd_scan(s['q'], s['kg'], s['w'], s['u'], s['gk'], s['Aqk'], s['h0'], True, s['scale'])
+    assert (o.dtype, o2.dtype, ht2.dtype) == (bf, bf, f32)
+    w, u, qg, kg = recompute_w_u(s['q'], s['k'], s['v'], s['beta'], s['Akk'], s['gk'])
+    assert (w.dtype, u.dtype, qg.dtype, kg.dtype) == (bf, bf, bf, bf)
+    args = [s[n] for n in ('q', 'k', 'gk', 'beta', 'dAqk', 'dAkk', 'dq', 'dk', 'db', 'dg')]
+    assert [x.dtype for x in bwd_intra(*args)] == [f32] * 4
+    assert [x.dtype for x in bwd_intra(*args, fold_dg=True, emit_bf16=True)] == [bf, bf, f32, f32]
+    assert gva_sum(s['dq'], 2).dtype == f32 and dg_cumsum(s['dg'], 64).dtype == f32
+    y, rstd = l2norm_fwd(s['q'])
+    assert (y.dtype, rstd.dtype, l2norm_bwd(y, rstd, s['dq'][:, :, :2]).dtype) == (bf, f32, bf)
+    assert beta_sigmoid_fwd(s['beta']).dtype == f32 and beta_sigmoid_bwd(s['beta'], s['db']).dtype == bf
+    A_log, bias = torch.zeros(4), torch.zeros(4 * 32, dtype=bf)
+    assert gate_chunk_cumsum(s['g'], A_log, bias, None, 64, True).dtype == f32
+    dg, dA, dbias = gate_bwd(s['g'], A_log, bias, s['dg'], None)
+    assert (dg.dtype, dA.dtype, dbias.dtype) == (bf, f32, bf)
