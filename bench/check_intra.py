@@ -1,0 +1,206 @@
+"""GPU check and timing of kda_cute.intra.bwd_intra against fla 0.6.0's chunk_kda_bwd_intra.
+
+Correctness, per shape: dq, dk, db, dg of ours and of fla against the float64 reference
+(`kda_cute.reference.bwd_intra` on float64 copies), side by side; ours must be within 2x fla's
+error (plus a tiny floor). Outputs are poisoned (every fresh output NaN-filled before the launch)
+and must come back finite. fold_dg against fla's chunk_local_cumsum(reverse) of fla's dg,
+emit_bf16 against the cast, and two runs bitwise identical.
+Timing: CUDA events around each call, warm, median of many: ours (fold_dg) against fla's
+chunk_kda_bwd_intra + chunk_local_cumsum(reverse), at B16 T8192 H16 K128 and B2 T4096 H16.
+
+    python bench/check_intra.py [--quick] [--no-time] [--no-check]
+"""
+
+import argparse
+import math
+import sys
+
+import torch
+
+import kda_cute.intra as intra
+from kda_cute import reference as ref
+from kda_cute.reference import rel_err
+
+RCP_LN2 = 1.0 / math.log(2.0)
+
+
+def make_inputs(B, T, H, HV, K, dtype=torch.bfloat16, gmin=-0.5, seed=0, device="cuda"):
+    """Realistic stage inputs: l2-normed q/k, g = chunk-local cumsum of per-step log gates in
+    [gmin, 0] (natural log) over ln 2, beta in (0, 1), dA and incoming grads ~ N(0, 1)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rn(*s, dt=torch.float32):
+        return torch.randn(*s, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    q = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype)
+    k = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype)
+    step = gmin * torch.rand(B, T, HV, K, generator=gen, device=device)
+    g = step.view(B, T // 64, 64, HV, K).cumsum(2).view(B, T, HV, K) * RCP_LN2
+    beta = torch.sigmoid(rn(B, T, HV)).to(dtype)
+    dAqk, dAkk = rn(B, T, HV, 64), rn(B, T, HV, 64)
+    dq, dk, dg = rn(B, T, HV, K), rn(B, T, HV, K), rn(B, T, HV, K)
+    db = rn(B, T, HV)
+    return q, k, g.contiguous(), beta, dAqk, dAkk, dq, dk, db, dg
+
+
+def fla_intra(args, fold=False):
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    q, k, g, beta, dAqk, dAkk, dq, dk, db, dg = args
+    dq2, dk2, db2, dg2 = chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size=64)
+    if fold:
+        dg2 = chunk_local_cumsum(dg2, chunk_size=64, reverse=True)
+    return dq2, dk2, db2, dg2
+
+
+_poison = {"on": False}
+_orig_alloc = intra.alloc
+
+
+def _alloc_poisoned(shape, dtype, device, fill=None):
+    t = _orig_alloc(shape, dtype, device, fill)
+    if _poison["on"] and fill is None:
+        t.fill_(float("nan"))
+    return t
+
+
+intra.alloc = _alloc_poisoned
+
+
+def ours(args, fold=False, emit=False, poison=False):
+    _poison["on"] = poison
+    try:
+        return intra.bwd_intra(*args, fold_dg=fold, emit_bf16=emit)
+    finally:
+        _poison["on"] = False
+
+
+def check_shape(name, B, T, H, HV, K, dtype=torch.bfloat16, gmin=-0.5, ref_batches=None):
+    args = make_inputs(B, T, H, HV, K, dtype, gmin)
+    o = ours(args, poison=True)
+    of = ours(args, fold=True, poison=True)
+    o2 = ours(args)
+    f = fla_intra(args)
+    torch.cuda.synchronize()
+    nb = B if ref_batches is None else ref_batches
+    a64 = [t[:nb].double() for t in args]
+    r = ref.bwd_intra(*a64)
+    rf = ref.bwd_intra(*a64, fold_dg=True)
+    names = ("dq", "dk", "db", "dg")
+    ok = True
+    cells = []
+    for i, n in enumerate(names):
+        eo, ef = rel_err(o[i][:nb], r[i]), rel_err(f[i][:nb], r[i])
+        good = eo <= 2 * ef + 1e-6 and bool(torch.isfinite(o[i]).all())
+        ok &= good
+        cells.append(f"{n} {eo:.2e}/{ef:.2e}{'' if good else ' FAIL'}")
+    # fold_dg: against the float64 fold and against fla's own dg cumsummed
+    from fla.ops.utils import chunk_local_cumsum
+
+    fdg = chunk_local_cumsum(f[3], chunk_size=64, reverse=True)
+    e_fold_ref, e_fold_fla = rel_err(of[3][:nb], rf[3]), rel_err(fdg[:nb], rf[3])
+    e_fold_vs = rel_err(of[3], fdg)
+    good = e_fold_ref <= 2 * e_fold_fla + 1e-6 and bool(torch.isfinite(of[3]).all())
+    good &= all(torch.equal(of[i], o[i]) for i in range(3))
+    ok &= good
+    cells.append(f"fold {e_fold_ref:.2e}/{e_fold_fla:.2e} (vs fla {e_fold_vs:.1e}){'' if good else ' FAIL'}")
+    det = all(torch.equal(a, b) for a, b in zip(o, o2))
+    ok &= det
+    cells.append("det ok" if det else "det FAIL")
+    if HV == H:
+        oe = ours(args, emit=True, poison=True)
+        eq = torch.equal(oe[0], o[0].to(dtype)) and torch.equal(oe[1], o[1].to(dtype))
+        eq &= oe[0].dtype == dtype and torch.equal(oe[2], o[2]) and torch.equal(oe[3], o[3])
+        ok &= eq
+        cells.append("bf16 ok" if eq else "bf16 FAIL")
+    print(f"{'PASS' if ok else 'FAIL'} {name:<34} (ours/fla rel err vs f64) " + " | ".join(cells), flush=True)
+    del args, o, of, o2, f, r, rf
+    torch.cuda.empty_cache()
+    return ok
+
+
+def median_ms(fn, warmup=5, reps=30):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def time_shape(B, T, H, HV, K, dtype=torch.bfloat16):
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    args = make_inputs(B, T, H, HV, K, dtype)
+    t_fla = median_ms(lambda: chunk_kda_bwd_intra(*args, chunk_size=64))
+    dgf = fla_intra(args)[3]
+    t_cs = median_ms(lambda: chunk_local_cumsum(dgf, chunk_size=64, reverse=True))
+    t_fold = median_ms(lambda: intra.bwd_intra(*args, fold_dg=True))
+    t_plain = median_ms(lambda: intra.bwd_intra(*args))
+    t_emit = median_ms(lambda: intra.bwd_intra(*args, fold_dg=True, emit_bf16=True)) if HV == H else float("nan")
+    row = dict(shape=f"B{B} T{T} H{H} HV{HV} K{K} {str(dtype)[6:]}", fla=t_fla, cumsum=t_cs,
+               ours_fold=t_fold, ours=t_plain, ours_fold_bf16=t_emit,
+               ratio=(t_fla + t_cs) / t_fold, ctas=B * (T // 64) * HV)
+    del args, dgf
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
+    a = ap.parse_args()
+    saved_gate = intra._MIN_CTAS
+    intra._MIN_CTAS = 0  # correctness runs the kernel at every size
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    ok = True
+    if not a.no_check:
+        shapes = [
+            ("B2 T256 H4 K128 bf16", 2, 256, 4, 4, 128, torch.bfloat16, -0.5),
+            ("B1 T64 H2 K128 bf16 (T=64)", 1, 64, 2, 2, 128, torch.bfloat16, -0.5),
+            ("B2 T512 H2 HV4 K128 bf16 (GVA)", 2, 512, 2, 4, 128, torch.bfloat16, -0.5),
+            ("B2 T256 H4 K128 fp16", 2, 256, 4, 4, 128, torch.float16, -0.5),
+            ("B2 T256 H4 K128 strong gate -5", 2, 256, 4, 4, 128, torch.bfloat16, -5.0),
+            ("B2 T256 H4 K64 bf16", 2, 256, 4, 4, 64, torch.bfloat16, -0.5),
+            ("B2 T256 H2 HV4 K64 strong -5 (GVA)", 2, 256, 2, 4, 64, torch.bfloat16, -5.0),
+        ]
+        if not a.quick:
+            shapes.append(("B16 T8192 H16 K128 bf16 (ref b0)", 16, 8192, 16, 16, 128, torch.bfloat16, -0.5))
+        for name, B, T, H, HV, K, dt, gmin in shapes:
+            try:
+                ok &= check_shape(name, B, T, H, HV, K, dt, gmin, ref_batches=1 if B >= 16 else None)
+            except Exception as e:  # report and go on: one call must tell everything
+                ok = False
+                print(f"ERROR {name}: {type(e).__name__}: {e}", flush=True)
+    intra._MIN_CTAS = saved_gate
+    if not a.no_time:
+        rows = []
+        for B, T, H, HV in ((16, 8192, 16, 16), (2, 4096, 16, 16), (4, 4096, 16, 16), (1, 4096, 16, 16),
+                            (8, 8192, 8, 16)):
+            try:
+                rows.append(time_shape(B, T, H, HV, 128))
+            except Exception as e:
+                print(f"ERROR timing B{B} T{T} H{H}: {type(e).__name__}: {e}", flush=True)
+        print()
+        print("| shape | CTAs | fla intra ms | fla dg cumsum ms | ours fold_dg ms | ours ms | ours fold+bf16 ms | fla+cumsum / ours fold |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['shape']} | {r['ctas']} | {r['fla']:.3f} | {r['cumsum']:.3f} | {r['ours_fold']:.3f} | "
+                  f"{r['ours']:.3f} | {r['ours_fold_bf16']:.3f} | {r['ratio']:.2f}x |")
+    print("ALL PASS" if ok else "SOME CHECKS FAILED", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

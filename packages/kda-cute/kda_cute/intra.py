@@ -1,0 +1,473 @@
+"""kda_cute_intra: KDA's intra-chunk backward on sm_90 (fla 0.6.0's `chunk_kda_bwd_intra`).
+
+What it computes (per chunk of BT = 64 tokens, per value head hv, per key column d; D_rs =
+exp2(g_r - g_s), r >= s, g the log2 chunk-local cumsum of the gate):
+
+    row side     dq2_r = sum_{s<=r} dAqk_rs k_s D_rs        dk2_r = sum_{s<=r} dAkk_rs k_s D_rs
+    column side  dkt_s = sum_{r>=s} (dAqk_rs q_r + dAkk_rs beta_r k_r) D_rs
+    dq = dq_in + dq2      dk = dk_in + beta dk2 + dkt      db = db_in + sum_d dk2 k
+    dg = dg_in + q dq2 + (beta dk2 - dkt) k      (fold_dg: reverse-cumsummed within the chunk)
+
+CTA decomposition. One CTA per (chunk, hv, b): grid (T/64, HV, B), 256 threads. A thread owns
+one key column d (the recurrence above never mixes columns except through db), and the CTA's
+256 / K thread groups split the chunk's four 16-row blocks between them: K = 128 -> 2 groups of
+2 blocks, K = 64 -> 4 groups of 1 block. The split is balanced because every 16-row block i
+carries the same work: its row side reaches back over 16 i source rows and its column side
+forward over 48 - 16 i target rows, 48 rows x 16 x 2 products either way.
+
+Per block i, per column, all in registers:
+  * cross row side (s in earlier blocks), factorized through the block's first row b = 16 i:
+        acc_r = exp2(g_r - g_b) * sum_s dA_rs (k_s exp2(g_b - g_s))
+  * cross column side (r in later blocks), through the block's last row e = 16 i + 15:
+        dkt_s = exp2(g_e - g_s) * sum_r dA_rs (q_r | beta_r k_r) exp2(g_r - g_e)
+    so every exp2 argument is <= 0 whatever the gate magnitude (a positive exponent overflows
+    fp32 with gates near -5 per step);
+  * the 16 x 16 diagonal block in SIMT with exactly one exp2 per (r, s, d), shared by the row
+    side and the column side (the same D_rs serves both), rows walked from the last to the
+    first: when row r is reached every r' >= r has already added into dkt_r, so row r is final
+    at once and its outputs leave immediately (no staging of dq/dk/dg), and the same descending
+    walk is the running suffix sum that fold_dg needs.
+The cross sums are fp32 FMAs (fla computes them in tf32 tl.dot; fp32 is the more exact side).
+db's sum over d is a warp butterfly per row plus a 64 x (K/32) smem partial table.
+
+Layouts. Everything of the chunk that more than one thread reads is staged once in smem in its
+gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk in fp32, beta in fp32
+(~96 KB at K=128, two CTAs per SM). Threads of a warp own consecutive d, so every per-column
+smem read is a conflict-free 128 B (fp32) / 64 B (bf16) row segment, and every dA read is a
+warp-uniform broadcast, vectorized 4 wide along s (LDS.128). The incoming dq/dk/dg are read
+and the outputs written straight from registers, coalesced 128 B per warp per row.
+
+Measured (H200, see bench/results/intra_*.md): filled in from bench/check_intra.py.
+"""
+
+
+
+import torch
+
+from ._common.cache import CallCache, alloc
+from ._common.support import compile_arch, device_reason, sm_count
+
+BT = 64  # chunk
+BC = 16  # diagonal block
+NBLK = BT // BC
+THREADS = 256
+SUPPORTED_K = (64, 128)
+
+# Below this many CTAs (chunks x heads x batch) fla's kernel is as fast or faster: the grid
+# does not fill the GPU for long enough. Set from bench/check_intra.py's measurements.
+_MIN_CTAS = 0
+
+_cache = CallCache("intra")
+
+
+def _exp2(x):
+    import cutlass.cute as cute
+
+    return cute.math.exp2(x, fastmath=True)
+
+
+class KdaIntraBwd:
+    """See the module docstring. io_dtype: q/k dtype; beta_dtype: beta's dtype."""
+
+    def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool):
+        self.io_dtype = io_dtype
+        self.beta_dtype = beta_dtype
+        self.K = K
+        self.gsize = gsize
+        self.fold_dg = fold_dg
+        self.emit_bf16 = emit_bf16
+        self.ngrp = THREADS // K  # thread groups, one column per thread
+        self.bpg = NBLK // self.ngrp  # 16-row blocks per group
+        self.wpg = K // 32  # warps per group
+
+
+def _build_kernel_class():
+    """Defined lazily so importing this module does not import the DSL (seconds)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils as utils
+
+    f32 = cutlass.Float32
+
+    class _Kernel(KdaIntraBwd):
+        @cute.jit
+        def __call__(
+            self,
+            mQ: cute.Tensor,  # [B, T, H, K] io
+            mK: cute.Tensor,  # [B, T, H, K] io
+            mG: cute.Tensor,  # [B, T, HV, K] f32
+            mBeta: cute.Tensor,  # [B, T, HV]
+            mAq: cute.Tensor,  # [B, T, HV, BT] f32
+            mAk: cute.Tensor,  # [B, T, HV, BT] f32
+            mDqi: cute.Tensor,  # [B, T, HV, K] f32
+            mDki: cute.Tensor,
+            mDbi: cute.Tensor,  # [B, T, HV] f32
+            mDgi: cute.Tensor,
+            mDq: cute.Tensor,  # outputs
+            mDk: cute.Tensor,
+            mDb: cute.Tensor,
+            mDg: cute.Tensor,
+            stream,
+        ):
+            B = cute.size(mG, mode=[0])
+            T = cute.size(mG, mode=[1])
+            HV = cute.size(mG, mode=[2])
+            self.kda_cute_intra(mQ, mK, mG, mBeta, mAq, mAk, mDqi, mDki, mDbi, mDgi, mDq, mDk, mDb, mDg).launch(
+                grid=(T // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=2, preferred_smem_carveout=100, stream=stream
+            )
+
+        @cute.kernel
+        def kda_cute_intra(
+            self,
+            mQ: cute.Tensor,
+            mK: cute.Tensor,
+            mG: cute.Tensor,
+            mBeta: cute.Tensor,
+            mAq: cute.Tensor,
+            mAk: cute.Tensor,
+            mDqi: cute.Tensor,
+            mDki: cute.Tensor,
+            mDbi: cute.Tensor,
+            mDgi: cute.Tensor,
+            mDq: cute.Tensor,
+            mDk: cute.Tensor,
+            mDb: cute.Tensor,
+            mDg: cute.Tensor,
+        ):
+            K = self.K
+            io = self.io_dtype
+            out_qk = io if self.emit_bf16 else f32
+            tidx, _, _ = cute.arch.thread_idx()
+            t_idx, hv, b = cute.arch.block_idx()
+            h = hv // self.gsize
+            row0 = t_idx * BT
+
+            # ---------------- shared memory ----------------
+            smem = utils.SmemAllocator()
+            sQ = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(K, 1)), 16)
+            sK = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(K, 1)), 16)
+            sG = smem.allocate_tensor(f32, cute.make_layout((BT, K), stride=(K, 1)), 16)
+            sAq = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(BT, 1)), 16)
+            sAk = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(BT, 1)), 16)
+            sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
+            sDbp = smem.allocate_tensor(f32, cute.make_layout((BT, self.wpg), stride=(self.wpg, 1)), 16)
+            sTot = smem.allocate_tensor(f32, cute.make_layout((self.ngrp, K), stride=(K, 1)), 16)
+            # 4-wide views along the contiguous mode (one LDS.128 / 16-byte copy each)
+            v4 = cute.make_layout((BT, BT // 4, 4), stride=(BT, 4, 1))
+            sAq4 = cute.make_tensor(sAq.iterator, v4)
+            sAk4 = cute.make_tensor(sAk.iterator, v4)
+
+            # ---------------- cooperative loads: 16-byte vectors, all issued before storing
+            VI = 8 if cutlass.const_expr(io.width == 16) else 4
+            nq = BT * K // VI // THREADS
+            ng = BT * K // 4 // THREADS
+            na = BT * BT // 4 // THREADS
+            rowv_io = cute.make_layout((K // VI, VI), stride=(VI, 1))
+            rowv_g = cute.make_layout((K // 4, 4), stride=(4, 1))
+            rowv_a = cute.make_layout((BT // 4, 4), stride=(4, 1))
+            sQv = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // VI, VI), stride=(K, VI, 1)))
+            sKv = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // VI, VI), stride=(K, VI, 1)))
+            sGv = cute.make_tensor(sG.iterator, cute.make_layout((BT, K // 4, 4), stride=(K, 4, 1)))
+            vq = []
+            vk = []
+            for it in cutlass.range_constexpr(nq):
+                idx = it * THREADS + tidx
+                r = idx // (K // VI)
+                c = idx % (K // VI)
+                srcq = cute.make_tensor(mQ[b, row0 + r, h, None].iterator, rowv_io)
+                srck = cute.make_tensor(mK[b, row0 + r, h, None].iterator, rowv_io)
+                vq.append(srcq[c, None].load())
+                vk.append(srck[c, None].load())
+            vg = []
+            for it in cutlass.range_constexpr(ng):
+                idx = it * THREADS + tidx
+                r = idx // (K // 4)
+                c = idx % (K // 4)
+                src = cute.make_tensor(mG[b, row0 + r, hv, None].iterator, rowv_g)
+                vg.append(src[c, None].load())
+            vaq = []
+            vak = []
+            for it in cutlass.range_constexpr(na):
+                idx = it * THREADS + tidx
+                r = idx // (BT // 4)
+                c = idx % (BT // 4)
+                srca = cute.make_tensor(mAq[b, row0 + r, hv, None].iterator, rowv_a)
+                srcb = cute.make_tensor(mAk[b, row0 + r, hv, None].iterator, rowv_a)
+                vaq.append(srca[c, None].load())
+                vak.append(srcb[c, None].load())
+            for it in cutlass.range_constexpr(nq):
+                idx = it * THREADS + tidx
+                r = idx // (K // VI)
+                c = idx % (K // VI)
+                sQv[r, c, None].store(vq[it])
+                sKv[r, c, None].store(vk[it])
+            for it in cutlass.range_constexpr(ng):
+                idx = it * THREADS + tidx
+                r = idx // (K // 4)
+                c = idx % (K // 4)
+                sGv[r, c, None].store(vg[it])
+            for it in cutlass.range_constexpr(na):
+                idx = it * THREADS + tidx
+                r = idx // (BT // 4)
+                c = idx % (BT // 4)
+                sAq4[r, c, None].store(vaq[it])
+                sAk4[r, c, None].store(vak[it])
+            if tidx < BT:
+                sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
+            cute.arch.sync_threads()
+
+            # ---------------- per-thread column work ----------------
+            grp = tidx // K  # warp-uniform
+            d = tidx % K
+            wig = (tidx % K) // 32  # warp within the group
+            lane = tidx % 32
+
+            accq = cute.make_rmem_tensor(cute.make_layout(BC), f32)
+            acck = cute.make_rmem_tensor(cute.make_layout(BC), f32)
+            dkt = cute.make_rmem_tensor(cute.make_layout(BC), f32)
+            gs = cute.make_rmem_tensor(cute.make_layout(BC), f32)
+            ks = cute.make_rmem_tensor(cute.make_layout(BC), f32)
+            dgl = cute.make_rmem_tensor(cute.make_layout(self.bpg * BC), f32)
+            run = f32(0.0)
+
+            for bi in cutlass.range_constexpr(self.bpg):
+                blk = grp * self.bpg + (self.bpg - 1 - bi)  # descending within the group
+                r0 = blk * BC
+                for s in cutlass.range_constexpr(BC):
+                    gs[s] = sG[r0 + s, d]
+                    ks[s] = f32(sK[r0 + s, d])
+                    accq[s] = f32(0.0)
+                    acck[s] = f32(0.0)
+                    dkt[s] = f32(0.0)
+
+                # -- cross row side: sources s < r0, anchored at the block's first row
+                ga = gs[0]
+                for s4 in cutlass.range(0, r0, 4, unroll=1):
+                    kg0 = f32(sK[s4, d]) * _exp2(ga - sG[s4, d])
+                    kg1 = f32(sK[s4 + 1, d]) * _exp2(ga - sG[s4 + 1, d])
+                    kg2 = f32(sK[s4 + 2, d]) * _exp2(ga - sG[s4 + 2, d])
+                    kg3 = f32(sK[s4 + 3, d]) * _exp2(ga - sG[s4 + 3, d])
+                    c4 = s4 // 4
+                    for r in cutlass.range_constexpr(BC):
+                        aq = sAq4[r0 + r, c4, None].load()
+                        ak = sAk4[r0 + r, c4, None].load()
+                        accq[r] = accq[r] + aq[0] * kg0 + aq[1] * kg1 + aq[2] * kg2 + aq[3] * kg3
+                        acck[r] = acck[r] + ak[0] * kg0 + ak[1] * kg1 + ak[2] * kg2 + ak[3] * kg3
+                for r in cutlass.range_constexpr(1, BC):
+                    e = _exp2(gs[r] - ga)
+                    accq[r] = accq[r] * e
+                    acck[r] = acck[r] * e
+
+                # -- cross column side: targets r > r0 + 15, anchored at the block's last row
+                gn = gs[BC - 1]
+                for rr in cutlass.range(r0 + BC, BT, unroll=1):
+                    e = _exp2(sG[rr, d] - gn)
+                    qb = f32(sQ[rr, d]) * e
+                    kbb = sBeta[rr] * f32(sK[rr, d]) * e
+                    for c in cutlass.range_constexpr(BC // 4):
+                        aq = sAq4[rr, r0 // 4 + c, None].load()
+                        ak = sAk4[rr, r0 // 4 + c, None].load()
+                        for j in cutlass.range_constexpr(4):
+                            dkt[4 * c + j] = dkt[4 * c + j] + aq[j] * qb + ak[j] * kbb
+                for s in cutlass.range_constexpr(BC - 1):
+                    dkt[s] = dkt[s] * _exp2(gn - gs[s])
+
+                # -- diagonal block, rows descending; row r is final once reached
+                for rd in cutlass.range_constexpr(BC):
+                    r = BC - 1 - rd
+                    row = r0 + r
+                    qr = f32(sQ[row, d])
+                    br = sBeta[row]
+                    kbr = br * ks[r]
+                    gr = gs[r]
+                    a_q = accq[r]
+                    a_k = acck[r]
+                    for c in cutlass.range_constexpr((r + 4) // 4):
+                        aq = sAq4[row, r0 // 4 + c, None].load()
+                        ak = sAk4[row, r0 // 4 + c, None].load()
+                        for j in cutlass.range_constexpr(4):
+                            s = 4 * c + j
+                            if cutlass.const_expr(s <= r):
+                                if cutlass.const_expr(s == r):
+                                    t = ks[s]
+                                    a_q = a_q + aq[j] * t
+                                    a_k = a_k + ak[j] * t
+                                    dkt[s] = dkt[s] + aq[j] * qr + ak[j] * kbr
+                                else:
+                                    e = _exp2(gr - gs[s])
+                                    t = ks[s] * e
+                                    a_q = a_q + aq[j] * t
+                                    a_k = a_k + ak[j] * t
+                                    dkt[s] = dkt[s] + (aq[j] * qr + ak[j] * kbr) * e
+                    # row r's outputs
+                    grow = row0 + row
+                    dq_o = a_q + mDqi[b, grow, hv, d]
+                    dk2 = a_k * br
+                    dkt_r = dkt[r]
+                    dk_o = dk2 + dkt_r + mDki[b, grow, hv, d]
+                    dg_o = qr * a_q + (dk2 - dkt_r) * ks[r] + mDgi[b, grow, hv, d]
+                    mDq[b, grow, hv, d] = dq_o.to(out_qk)
+                    mDk[b, grow, hv, d] = dk_o.to(out_qk)
+                    if cutlass.const_expr(self.fold_dg):
+                        run = run + dg_o
+                        dgl[bi * BC + r] = run
+                    else:
+                        mDg[b, grow, hv, d] = dg_o
+                    v = a_k * ks[r]
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=16)
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=8)
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=4)
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
+                    if lane == 0:
+                        sDbp[row, wig] = v
+
+            if cutlass.const_expr(self.fold_dg):
+                sTot[grp, d] = run
+            cute.arch.sync_threads()
+            if cutlass.const_expr(self.fold_dg):
+                add = f32(0.0)
+                for g2 in cutlass.range(grp + 1, self.ngrp, unroll=1):
+                    add = add + sTot[g2, d]
+                for bi in cutlass.range_constexpr(self.bpg):
+                    blk = grp * self.bpg + (self.bpg - 1 - bi)
+                    for r in cutlass.range_constexpr(BC):
+                        mDg[b, row0 + blk * BC + r, hv, d] = dgl[bi * BC + r] + add
+            if tidx < BT:
+                tot = mDbi[b, row0 + tidx, hv]
+                for w in cutlass.range_constexpr(self.wpg):
+                    tot = tot + sDbp[tidx, w]
+                mDb[b, row0 + tidx, hv] = tot
+
+    return _Kernel
+
+
+_KERNEL_CLASS = None
+
+
+def _kernel_class():
+    global _KERNEL_CLASS
+    if _KERNEL_CLASS is None:
+        _KERNEL_CLASS = _build_kernel_class()
+    return _KERNEL_CLASS
+
+
+def _cutlass_dtype(dt: torch.dtype):
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}[dt]
+
+
+# ----------------------------------------------------------------------------------- host side
+def _hard_reason(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg) -> str | None:
+    """Why the kernel cannot compute this call at all (shape, dtype, layout), or None."""
+    if q.dim() != 4 or k.shape != q.shape:
+        return f"q/k must be [B,T,H,K] of one shape; got {tuple(q.shape)} / {tuple(k.shape)}"
+    B, T, H, K = q.shape
+    if gk.dim() != 4 or gk.shape[0] != B or gk.shape[1] != T or gk.shape[3] != K:
+        return f"gk must be [B,T,HV,K]; got {tuple(gk.shape)}"
+    HV = gk.shape[2]
+    if HV % H:
+        return f"HV={HV} not a multiple of H={H}"
+    if K not in SUPPORTED_K:
+        return f"K={K} (kernel built for K in {SUPPORTED_K})"
+    if T % BT:
+        return f"T={T} not a multiple of the chunk {BT}"
+    if dAqk.shape != (B, T, HV, BT) or dAkk.shape != (B, T, HV, BT):
+        return f"dAqk/dAkk must be [B,T,HV,{BT}] (chunk {BT}); got {tuple(dAqk.shape)}"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype:
+        return f"q/k dtype {q.dtype}/{k.dtype} (bf16 or fp16 expected)"
+    if beta.shape != (B, T, HV) or beta.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"beta must be [B,T,HV] bf16/fp16/fp32; got {tuple(beta.shape)} {beta.dtype}"
+    for name, t in (("gk", gk), ("dAqk", dAqk), ("dAkk", dAkk), ("dq", dq), ("dk", dk), ("dg", dg)):
+        if t.dtype != torch.float32:
+            return f"{name} must be float32; got {t.dtype}"
+        if t.shape != (B, T, HV, K) and name in ("gk", "dq", "dk", "dg"):
+            return f"{name} must be [B,T,HV,K]; got {tuple(t.shape)}"
+    if db.shape != (B, T, HV) or db.dtype != torch.float32:
+        return f"db must be [B,T,HV] float32; got {tuple(db.shape)} {db.dtype}"
+    for name, t in (("q", q), ("k", k), ("gk", gk), ("beta", beta), ("dAqk", dAqk), ("dAkk", dAkk),
+                    ("dq", dq), ("dk", dk), ("db", db), ("dg", dg)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    devs = {t.device for t in (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)}
+    if len(devs) != 1:
+        return "tensors on different devices"
+    return device_reason(q)
+
+
+def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False) -> str | None:
+    """None when `bwd_intra` runs the CuTe kernel on these arguments, else the reason it would not."""
+    reason = _hard_reason(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
+    if reason is not None:
+        return reason
+    B, T, H, K = q.shape
+    HV = gk.shape[2]
+    ctas = B * (T // BT) * HV
+    if ctas < _MIN_CTAS:
+        return f"grid of {ctas} CTAs < {_MIN_CTAS}: too small to fill the GPU (fla is faster)"
+    return None
+
+
+def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
+    return (q.dtype, beta.dtype, K, HV // H, bool(fold_dg), bool(emit_bf16), compile_arch())
+
+
+def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False):
+    """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+
+    from ._common.cache import cute_view
+
+    B, T, H, K = q.shape
+    HV = gk.shape[2]
+    outs = _outputs(q, gk, beta, emit_bf16, device=q.device)
+    args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, *outs)
+    views = [cute_view(t, (0, 1)) for t in args]
+    return _build(views, cuda.CUstream(0), q, beta, H, HV, K, fold_dg, emit_bf16)
+
+
+def _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16):
+    import cutlass.cute as cute
+
+    kern = _kernel_class()(
+        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16
+    )
+    return cute.compile(kern, *views, stream, options="--ptxas-options --maxrregcount=128")
+
+
+def _outputs(q, gk, beta, emit_bf16, device):
+    B, T, HV, K = gk.shape
+    qk_dt = q.dtype if emit_bf16 else torch.float32
+    return (
+        alloc((B, T, HV, K), qk_dt, device),
+        alloc((B, T, HV, K), qk_dt, device),
+        alloc((B, T, HV), torch.float32, device),
+        alloc((B, T, HV, K), torch.float32, device),
+    )
+
+
+def bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False):
+    """fla's chunk_kda_bwd_intra (chunk 64, safe_gate off) -> (dq, dk, db, dg), fresh outputs.
+
+    fold_dg: dg comes back reverse-cumsummed within each 64-chunk (chunk_local_cumsum reverse).
+    emit_bf16: dq/dk in q's dtype (the cast of the fp32 result; for HV == H)."""
+    reason = _hard_reason(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
+    if reason is not None:
+        raise ValueError(f"kda_cute.intra.bwd_intra: unsupported call: {reason}")
+    B, T, H, K = q.shape
+    HV = gk.shape[2]
+    outs = _outputs(q, gk, beta, emit_bf16, q.device)
+    args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, *outs)
+    key = _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16)
+    _cache.launch(
+        key,
+        args,
+        ((0, 1),) * len(args),
+        lambda views, stream: _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16),
+    )
+    dq_o, dk_o, db_o, dg_o = outs
+    return dq_o, dk_o, db_o, dg_o
