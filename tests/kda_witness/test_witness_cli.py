@@ -1,0 +1,39 @@
+"""The CLI's CPU path end to end at a tiny shape: table, accuracy, --require-cute, --trace."""
+
+import importlib.util
+
+import pytest
+import torch
+from kda_witness import Results
+from kda_witness.cli import main
+
+HAVE_CHAIN = importlib.util.find_spec("kda_chain") is not None
+
+
+@pytest.mark.skipif(not HAVE_CHAIN, reason="kda_chain.chunk_kda not importable yet")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_cli_cpu(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    argv = ["--B", "1", "--T", "80", "--H", "1", "--HV", "2", "--K", "16", "--V", "16", "--reps", "1",
+            "--require-cute", "--trace", str(trace)]
+    status = main(argv)
+    out = capsys.readouterr().out
+    assert status == 1, out  # on CPU the four CuTe stages cannot run: --require-cute fails
+    assert "CPU only" in out and "NO CUDA kernels were recorded" in out
+    assert "--require-cute: FAIL" in out and "stage intra -> reference: cute: " in out
+    assert "FAIL for" not in out  # accuracy held
+    for name in ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"):
+        assert f"  {name} " in out, name
+    res = Results.from_chrome_trace(trace)
+    assert {"fwd", "b1", "dhu", "intra"} <= {r.stage for r in res.stages}
+
+
+@pytest.mark.skipif(not HAVE_CHAIN, reason="kda_chain.chunk_kda not importable yet")
+def test_cli_flags_off(capsys):
+    argv = ["--B", "1", "--T", "64", "--H", "1", "--HV", "1", "--K", "16", "--V", "16", "--reps", "1",
+            "--no-gate-in-kernel", "--no-l2norm", "--no-initial-state", "--no-final-state"]
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "  dA_log " not in out and "  dh0 " not in out and "  ht " not in out and "  dg " in out
