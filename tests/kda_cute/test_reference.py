@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kda_cute.reference import (
+    RCP_LN2,
     beta_sigmoid_bwd,
     beta_sigmoid_fwd,
     bwd_dAv,
@@ -304,3 +305,119 @@ def test_stage_dtypes_for_bf16_inputs():
     assert gate_chunk_cumsum(s['g'], A_log, bias, None, 64, True).dtype == f32
     dg, dA, dbias = gate_bwd(s['g'], A_log, bias, s['dg'], None)
     assert (dg.dtype, dA.dtype, dbias.dtype) == (bf, f32, bf)
+
+
+# ------------------------------------------------------------------------------------------------
+# Each stage against fla's own function on the GPU (skipped without CUDA or fla)
+# ------------------------------------------------------------------------------------------------
+
+def _lower_rows(A: torch.Tensor) -> torch.Tensor:
+    """A-matrix [B, T, HV, BT] with entries above each row's diagonal zeroed (fla leaves Aqk's
+    unwritten there)."""
+    BT = A.shape[-1]
+    row = torch.arange(A.shape[1], device=A.device) % BT
+    keep = torch.arange(BT, device=A.device)[None, :] <= row[:, None]
+    return A * keep[None, :, None, :]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_stages_match_fla(dtype):
+    """Each reference stage, fed the same inputs as fla's function for that stage (fla's own outputs
+    of the stages before), gives fla's values (to fla's tf32/bf16 rounding) and fla's dtypes."""
+    if not torch.cuda.is_available():
+        pytest.skip('needs CUDA')
+    pytest.importorskip('fla')
+    from fla.modules.norm.l2norm import l2norm_bwd as f_l2b
+    from fla.modules.norm.l2norm import l2norm_fwd as f_l2f
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.gate import fused_beta_sigmoid_bwd, fused_beta_sigmoid_fwd
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
+    from fla.ops.kda.gate import kda_gate_bwd, kda_gate_chunk_cumsum
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum as f_cumsum
+
+    B, T, H, HV, K, V = 2, 200, 2, 4, 64, 64
+    dev = 'cuda'
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def r(*s, dt=dtype, scale=1.0):
+        return (torch.randn(s, generator=gen, device=dev) * scale).to(dt)
+
+    q_raw, k_raw, v = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V)
+    g_raw, beta_raw = r(B, T, HV, K), r(B, T, HV)
+    A_log = torch.log(torch.empty(HV, device=dev).uniform_(1, 16, generator=gen))
+    dt_bias = r(HV * K, dt=torch.float32, scale=0.1)
+    h0, dht = r(B, HV, K, V, dt=torch.float32, scale=0.1), r(B, HV, K, V, dt=torch.float32)
+    do = r(B, T, HV, V)
+    scale = K ** -0.5
+    errs, dtypes = {}, {}
+
+    def check(name, ours, theirs):
+        ours = ours if isinstance(ours, tuple) else (ours,)
+        theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            key = f'{name}[{i}]'
+            if b is None:
+                assert a is None, key
+                continue
+            dtypes[key] = (a.dtype, b.dtype)
+            errs[key] = rel_err(a, b)
+
+    q, q_rstd = f_l2f(q_raw)
+    k, _ = f_l2f(k_raw)
+    check('l2norm_fwd', l2norm_fwd(q_raw), (q, q_rstd))
+    beta = fused_beta_sigmoid_fwd(beta_raw, 2.0)
+    check('beta_sigmoid_fwd', beta_sigmoid_fwd(beta_raw, 2.0), beta)
+    beta = beta / 2  # keep the delta rule's |1 - beta| <= 1 for the rest
+    gk = kda_gate_chunk_cumsum(g_raw, A_log, 64, scale=RCP_LN2, dt_bias=dt_bias)
+    check('gate_chunk_cumsum', gate_chunk_cumsum(g_raw, A_log, dt_bias, None, 64, True), gk)
+    gk_lb = kda_gate_chunk_cumsum(g_raw, A_log, 64, scale=RCP_LN2, dt_bias=dt_bias, lower_bound=-5.0)
+    check('gate_chunk_cumsum_lb', gate_chunk_cumsum(g_raw, A_log, dt_bias, -5.0, 64, True), gk_lb)
+    gplain = -F.softplus(g_raw.float())
+    check('chunk_local_cumsum', chunk_local_cumsum(gplain, 64, scale=RCP_LN2),
+          f_cumsum(gplain, 64, scale=RCP_LN2))
+
+    fi = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=64,
+                             disable_recompute=True)
+    ours = fwd_intra(q, k, v, gk, beta, scale, 64)
+    check('fwd_intra', ours[:4] + (_lower_rows(ours[4]), ours[5]), fi[:4] + (_lower_rows(fi[4]), fi[5]))
+    w, u, qg, kg, Aqk, Akk = fi
+    check('recompute_w_u', recompute_w_u(q, k, v, beta, Akk, gk),
+          recompute_w_u_fwd(k=k, v=v, beta=beta, A=Akk, gk=gk, q=q))
+    h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=gk, initial_state=h0,
+                                                output_final_state=True)
+    check('fwd_h', fwd_h(kg, w, u, gk, h0, True), (h, v_new, ht))
+    o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gk, A=Aqk, h=h, scale=scale)
+    check('fwd_o', fwd_o(q, v_new, gk, Aqk, h, scale), o)
+    check('fwd_scan', fwd_scan(q, kg, w, u, gk, Aqk, h0, True, scale), (o, ht))
+
+    dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale)
+    check('bwd_dAv', bwd_dAv(v_new, do, Aqk, scale), (dAqk, dv))
+    dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, do=do, dv=dv, gk=gk, h0=h0, dht=dht,
+                                                  scale=scale)
+    check('bwd_dhu', bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale), (dh, dh0, dv2))
+    wy = chunk_kda_bwd_wy_dqkg_fused(q=q, k=k, v=v, v_new=v_new, g=gk, beta=beta, A=Akk, h=h, do=do, dh=dh,
+                                     dv=dv2, scale=scale)
+    check('bwd_wy_dqkg', bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv2, scale), wy)
+    dq, dk, _, db, dg, dAkk = wy
+    intra = chunk_kda_bwd_intra(q=q, k=k, g=gk, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
+    check('bwd_intra', bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg), intra)
+    dq, dk, db, dg = intra
+    check('gva_sum', gva_sum(dq, H), dq.view(B, T, H, HV // H, K).sum(3))
+    dgc = f_cumsum(dg, 64, reverse=True)
+    check('dg_cumsum', dg_cumsum(dg, 64), dgc)
+    for lb in (None, -5.0):
+        check(f'gate_bwd_lb{lb}', gate_bwd(g_raw, A_log, dt_bias, dgc, lb),
+              kda_gate_bwd(g_raw, A_log, dt_bias, dgc, lb))
+    dq_h = dq.view(B, T, H, HV // H, K).sum(3)
+    check('l2norm_bwd', l2norm_bwd(q, q_rstd, dq_h), f_l2b(q, q_rstd, dq_h))
+    check('beta_sigmoid_bwd', beta_sigmoid_bwd(beta_raw, db, 2.0), fused_beta_sigmoid_bwd(beta_raw, db, 2.0))
+
+    for key, err in errs.items():
+        print(f'{key:26s} {err:.2e}  {dtypes[key][0]} / {dtypes[key][1]}')
+    assert all(a == b for a, b in dtypes.values()), {k: d for k, d in dtypes.items() if d[0] != d[1]}
+    tol = 1e-2 if dtype == torch.float32 else 3e-2
+    assert max(errs.values()) < tol, {k: e for k, e in errs.items() if e >= tol}
