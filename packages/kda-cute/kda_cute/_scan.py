@@ -197,3 +197,25 @@ def prologue(mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads,
 def wgmma_wait():
     cute.nvgpu.warpgroup.commit_group()
     cute.nvgpu.warpgroup.wait_group(0)
+
+
+@cute.jit
+def gate_rows_inplace(sX: cute.Tensor, mG: cute.Tensor, t0, T, hv, b, tid):
+    """sX[t, k] = bf16(sX[t, k] * exp2(g[t0 + t, k])) for a (64, 128) tile; thread tid owns column
+    k = tid (coalesced fp32 reads of g, conflict-free smem); rows past T read g = 0 (X is 0 there)."""
+    for i in cutlass.range_constexpr(BT):
+        g = cutlass.Float32(0.0)
+        if t0 + i < T:
+            g = mG[t0 + i, tid, hv, b]
+        sX[i, tid] = (sX[i, tid].to(cutlass.Float32) * cute.arch.exp2(g)).to(sX.element_type)
+
+
+@cute.jit
+def mask_upper(sA: cute.Tensor, tid):
+    """Zero the strictly-upper triangle of a (64, 64) smem tile (fla masks Aqk with i >= j)."""
+    for i in cutlass.range_constexpr(BT * BT // THREADS):
+        idx = i * THREADS + tid
+        r = idx // BT
+        col = idx % BT
+        if col > r:
+            sA[r, col] = sA.element_type(0.0)

@@ -45,7 +45,7 @@ class _B1:
         self.dtype, self.V, self.HV, self.ratio_k = dtype, V, HV, ratio_k
         self.has_h0, self.store_ht, self.stages = has_h0, store_ht, stages
 
-    def _layouts(self):
+    def _layouts(self, with_struct=False):
         import cutlass
         import cutlass.cute as cute
 
@@ -56,6 +56,8 @@ class _B1:
         self.l_h = S.smem_layout(dt, S.BV, S.KD, False, 1)  # (v, k) B MN-major
         self.l_v = S.smem_layout(dt, S.BV, S.BT, False, 1)  # (v, t) B MN-major
         self.tx_bytes = S.tile_bytes(dt, self.l_w) + S.tile_bytes(dt, self.l_kg) + S.tile_bytes(dt, self.l_u)
+        if not with_struct:
+            return
 
         @cute.struct
         class Storage:
@@ -77,7 +79,7 @@ class _B1:
 
         @cute.jit
         def run(kg, w, u, gk, h0, h, v_new, ht, stream):
-            this._layouts()
+            this._layouts(with_struct=True)
             mKg = S.col_view(kg)
             mW = S.row_view(w)
             mU = S.col_view(u)

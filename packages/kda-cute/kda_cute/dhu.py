@@ -1,0 +1,277 @@
+"""dhu: the backward state scan on sm_90 (fla 0.6.0's `chunk_gated_delta_rule_bwd_dhu` as
+`chunk_kda_bwd` calls it: q = qg, k = kg, gk, h0, dht, scale).
+
+Per (b, hv), newest chunk first (gk in log2 units, gd = gk at the chunk's last valid row):
+
+    dh[:, c]  = dh_c                                      (bf16, [B, NT, HV, K, V])
+    dv2_c     = dv_c + kg_c @ bf16(dh_c)                  (fp32 accumulate, stored in dv's dtype)
+    dh_{c-1}  = exp2(gd_c)[:, None] * dh_c + scale * qg_c^T @ do_c - w_c^T @ bf16(dv2_c)
+    dh0       = dh_0 (fp32, only when h0 is given; fla's contract), dh_NT = dht or 0
+
+CTA decomposition: `kda_cute._scan` (one warpgroup per (b, hv, 64-wide V tile), chunks walked in
+reverse through the same TMA ring). The state is the accumulator of both state GEMMs: it is scaled
+by exp2(gd) / scale, `qg^T @ do` accumulates into it, it is scaled by -scale, `w^T @ dv2`
+accumulates into it, and it is negated: dh*e + scale*Q - W with two wgmma groups and no extra
+register tile (sign flips are exact; the two fp32 scalings round like fla's separate products to
+within an ulp). `kg @ dh` (K-major kg) and `qg^T @ do` (MN-major qg, do) go out in one wgmma group.
+kg arrives token-major (T, K); qg and w feature-major (K, T); do and dv (V, T). dh leaves by TMA
+store from the bf16 smem copy that is also the B operand of `kg @ dh`; dv2 from the bf16 buffer
+that is the B operand of `w^T @ dv2`.
+"""
+
+import torch
+
+from ._common.cache import CallCache, alloc
+from ._common.support import compile_arch, device_reason
+from . import _scan as S
+from .b1 import _DT, _cutlass_dtype, _dummy
+
+STAGES = 2
+GRID_FLOOR = 0
+_cache = CallCache("kda_cute_dhu")
+
+
+class _Dhu:
+    def __init__(self, dtype, V, HV, ratio_q, ratio_k, has_dh0, has_dht, scale, stages):
+        self.dtype, self.V, self.HV, self.ratio_q, self.ratio_k = dtype, V, HV, ratio_q, ratio_k
+        self.has_dh0, self.has_dht, self.scale, self.stages = has_dh0, has_dht, scale, stages
+
+    def _layouts(self, with_struct=False):
+        import cutlass
+        import cutlass.cute as cute
+
+        dt, st = self.dtype, self.stages
+        self.l_kg = S.smem_layout(dt, S.BT, S.KD, True, st)  # kg (t, k) A K-major
+        self.l_q = S.smem_layout(dt, S.KD, S.BT, False, st)  # qg^T (k, t) A MN-major
+        self.l_w = S.smem_layout(dt, S.KD, S.BT, False, st)  # w^T (k, t) A MN-major
+        self.l_do = S.smem_layout(dt, S.BV, S.BT, False, st)  # do (v, t) B MN-major
+        self.l_dv = S.smem_layout(dt, S.BV, S.BT, False, st)  # dv (v, t)
+        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, 1)
+        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, 1)
+        self.tx_bytes = sum(S.tile_bytes(dt, l) for l in (self.l_kg, self.l_q, self.l_w, self.l_do, self.l_dv))
+        if not with_struct:
+            return
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[cutlass.Int64, st]
+            sG: cute.struct.MemRange[cutlass.Float32, S.KD]
+            sKg: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_kg)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_q)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_w)], 1024]
+            sDo: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_do)], 1024]
+            sDv: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_dv)], 1024]
+            sH: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_h)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_v)], 1024]
+
+        self.storage = Storage
+
+    def compile_fn(self):
+        import cutlass.cute as cute
+
+        this = self
+
+        @cute.jit
+        def run(qg, kg, w, gk, dht, do, dv, dh, dh0, dv2, stream):
+            this._layouts(with_struct=True)
+            atom_kg, tma_kg = S.tma_load(S.row_view(kg), this.l_kg, (S.BT, S.KD))
+            atom_q, tma_q = S.tma_load(S.col_view(qg), this.l_q, (S.KD, S.BT))
+            atom_w, tma_w = S.tma_load(S.col_view(w), this.l_w, (S.KD, S.BT))
+            atom_do, tma_do = S.tma_load(S.col_view(do), this.l_do, (S.BV, S.BT))
+            atom_dv, tma_dv = S.tma_load(S.col_view(dv), this.l_dv, (S.BV, S.BT))
+            atom_h, tma_h = S.tma_store(S.state_view(dh), this.l_h, (S.BV, S.KD))
+            atom_v, tma_v = S.tma_store(S.col_view(dv2), this.l_v, (S.BV, S.BT))
+            B = cute.size(do, mode=[0])
+            this.kda_cute_dhu(
+                atom_kg, tma_kg, atom_q, tma_q, atom_w, tma_w, atom_do, tma_do, atom_dv, tma_dv,
+                atom_h, tma_h, atom_v, tma_v, S.col_view(gk), S.fp32_state_view(dht), S.fp32_state_view(dh0),
+                S.mma_tt(this.dtype), S.mma_kv(this.dtype),
+            ).launch(grid=(this.V // S.BV, this.HV, B), block=[S.THREADS, 1, 1], stream=stream)
+
+        return run
+
+    @property
+    def kda_cute_dhu(self):
+        return _dhu_kernel(self)
+
+
+def _dhu_kernel(cfg):
+    import cutlass
+    import cutlass.cute as cute
+
+    class K:
+        @cute.kernel
+        def kda_cute_dhu(
+            self, atom_kg, tma_kg, atom_q, tma_q, atom_w, tma_w, atom_do, tma_do, atom_dv, tma_dv,
+            atom_h, tma_h, atom_v, tma_v, mGk, mDht, mDh0, mma_tt: cute.TiledMma, mma_kv: cute.TiledMma,
+        ):
+            nst = cfg.stages
+            cfg._layouts()
+            tid, _, _ = cute.arch.thread_idx()
+            vt, hv, b = cute.arch.block_idx()
+            hk = hv // cfg.ratio_k
+            hq = hv // cfg.ratio_q
+            T = cute.size(mGk, mode=[1])
+            NT = (T + S.BT - 1) // S.BT
+
+            smem = cutlass.utils.SmemAllocator()
+            st = smem.allocate(cfg.storage)
+            mbar = st.mbar.data_ptr()
+            sG = st.sG.get_tensor(cute.make_layout(S.KD))
+            sKg = S.smem_tensor(st.sKg, cfg.l_kg)
+            sQ = S.smem_tensor(st.sQ, cfg.l_q)
+            sW = S.smem_tensor(st.sW, cfg.l_w)
+            sDo = S.smem_tensor(st.sDo, cfg.l_do)
+            sDv = S.smem_tensor(st.sDv, cfg.l_dv)
+            sH = S.smem_tensor(st.sH, cfg.l_h)[None, None, 0]
+            sV = S.smem_tensor(st.sV, cfg.l_v)[None, None, 0]
+
+            tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.BT, S.KD), (None, 0, hk, b)))
+            tQs, tQg = S.tma_part(atom_q, sQ, cute.local_tile(tma_q, (S.KD, S.BT), (0, None, hq, b)))
+            tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.KD, S.BT), (0, None, hv, b)))
+            tDos, tDog = S.tma_part(atom_do, sDo, cute.local_tile(tma_do, (S.BV, S.BT), (vt, None, hv, b)))
+            tDvs, tDvg = S.tma_part(atom_dv, sDv, cute.local_tile(tma_dv, (S.BV, S.BT), (vt, None, hv, b)))
+            tHs, tHg = S.tma_part(atom_h, sH, cute.local_tile(tma_h, (S.BV, S.KD), (vt, 0, hv, None, b)))
+            tVs, tVg = S.tma_part(atom_v, sV, cute.local_tile(tma_v, (S.BV, S.BT), (vt, None, hv, b)))
+
+            loads = [(atom_kg, tKg, tKs), (atom_q, tQg, tQs), (atom_w, tWg, tWs), (atom_do, tDog, tDos),
+                     (atom_dv, tDvg, tDvs)]
+            S.prologue(mbar, nst, cfg.tx_bytes, loads, NT - 1, -1, NT, tid)
+
+            thr_tt = mma_tt.get_slice(tid)
+            thr_kv = mma_kv.get_slice(tid)
+            tAk = mma_tt.make_fragment_A(thr_tt.partition_A(sKg))
+            tBh = mma_tt.make_fragment_B(thr_tt.partition_B(sH))
+            tAq = mma_kv.make_fragment_A(thr_kv.partition_A(sQ))
+            tAw = mma_kv.make_fragment_A(thr_kv.partition_A(sW))
+            tBdo = mma_kv.make_fragment_B(thr_kv.partition_B(sDo))
+            tBv = mma_kv.make_fragment_B(thr_kv.partition_B(sV))
+            cS = thr_kv.partition_C(cute.make_identity_tensor((S.KD, S.BV)))
+            cP = thr_tt.partition_C(cute.make_identity_tensor((S.BT, S.BV)))
+            acc = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
+            accP = cute.make_rmem_tensor(cP.shape, cutlass.Float32)
+            tSsH = thr_kv.partition_C(S.transposed(sH))
+            tPsV = thr_tt.partition_C(S.transposed(sV))
+            sDv_tv = S.transposed(sDv)
+
+            tSgDh0 = thr_kv.partition_C(cute.local_tile(mDh0, (S.KD, S.BV), (0, vt, hv, b)))
+            gDht = cute.local_tile(mDht, (S.KD, S.BV), (0, vt, hv, b))
+            if cutlass.const_expr(cfg.has_dht):
+                cute.autovec_copy(thr_kv.partition_C(gDht), acc)
+            else:
+                acc.fill(0.0)
+
+            for j in cutlass.range(NT, unroll=1):
+                c = NT - 1 - j
+                s = j % nst
+                phase = (j // nst) % 2
+                last = cutlass.min((c + 1) * S.BT, T) - 1
+                S.load_row_scale(sG, mGk[None, last, hv, b], tid)
+                S.frag_to_smem(acc, tSsH, cfg.dtype)
+                S.sync_smem_for_async()
+                if tid == 0:
+                    S.store_chunk(atom_h, tHs, tHg, c)
+                cute.arch.mbarrier_wait(mbar + s, phase)
+                # P = kg @ bf16(dh) ; X = dh * exp2(gd) / scale + qg^T @ do   (one wgmma group)
+                S.scale_rows(acc, cS, sG, cutlass.Float32(1.0 / cfg.scale))
+                cute.nvgpu.warpgroup.fence()
+                S.gemm(mma_tt, accP, tAk, tBh, s, None, False)
+                S.gemm(mma_kv, acc, tAq, tBdo, s, s, True)
+                S.wgmma_wait()
+                dvf = S.smem_to_frag_f32(thr_tt.partition_C(sDv_tv[None, None, s]), accP)
+                accP.store(dvf.load() + accP.load())
+                S.frag_to_smem(accP, tPsV, cfg.dtype)
+                S.sync_smem_for_async()
+                if tid == 0:
+                    S.store_chunk(atom_v, tVs, tVg, c)
+                # dh = -( -scale * X + w^T @ bf16(dv2) )
+                acc.store(acc.load() * (-cfg.scale))
+                cute.nvgpu.warpgroup.fence()
+                S.gemm(mma_kv, acc, tAw, tBv, s, None, True)
+                S.wgmma_wait()
+                acc.store(-acc.load())
+                if tid == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_threads()
+                if tid == 0:
+                    if j + nst < NT:
+                        S.issue_chunk(mbar, s, cfg.tx_bytes, loads, NT - 1 - (j + nst))
+
+            if cutlass.const_expr(cfg.has_dh0):
+                cute.autovec_copy(acc, tSgDh0)
+            if tid == 0:
+                cute.arch.cp_async_bulk_wait_group(0)
+
+    return K().kda_cute_dhu
+
+
+# ------------------------------------------------------------------------------------ host side
+def is_supported(qg, kg, w, gk, h0, dht, do, dv, scale=None) -> str | None:
+    r = device_reason(do)
+    if r:
+        return r
+    return static_reason(qg, kg, w, gk, h0, dht, do, dv)
+
+
+def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
+    if do.dtype not in _DT:
+        return f"dtype {do.dtype} (bf16/fp16 only)"
+    if any(t.dtype != do.dtype for t in (qg, kg, w, dv)):
+        return "qg, kg, w, do, dv must share one dtype"
+    if gk.dtype != torch.float32:
+        return f"gk must be fp32 (got {gk.dtype})"
+    if any(t.dim() != 4 for t in (qg, kg, w, gk, do, dv)):
+        return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
+    B, T, HV, V = do.shape
+    K = w.shape[-1]
+    if K != S.KD:
+        return f"K={K} (only K=128)"
+    if V % S.BV:
+        return f"V={V} (V % 64 != 0)"
+    if T < 1:
+        return "T=0"
+    if tuple(dv.shape) != (B, T, HV, V) or tuple(w.shape) != (B, T, HV, K) or tuple(gk.shape) != (B, T, HV, K):
+        return "dv / w / gk shapes do not match do"
+    for name, t in (("qg", qg), ("kg", kg)):
+        if t.shape[0] != B or t.shape[1] != T or t.shape[3] != K or HV % t.shape[2]:
+            return f"{name} must be [B, T, H, 128] with HV % H == 0"
+    for name, t in (("qg", qg), ("kg", kg), ("w", w), ("gk", gk), ("do", do), ("dv", dv)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            return f"{name} not contiguous / aligned"
+    for name, t in (("h0", h0), ("dht", dht)):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (B, HV, K, V)):
+            return f"{name} must be fp32 [B, HV, K, V]"
+        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
+            return f"{name} not contiguous / aligned"
+    if B * HV * (V // S.BV) < GRID_FLOOR:
+        return f"grid {B * HV * (V // S.BV)} CTAs below the measured floor {GRID_FLOOR} (fla is faster)"
+    return None
+
+
+def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES):
+    """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2)."""
+    B, T, HV, V = do.shape
+    K = w.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    NT = (T + S.BT - 1) // S.BT
+    dev = do.device
+    dh = alloc((B, NT, HV, K, V), qg.dtype, dev)
+    dh0 = alloc((B, HV, K, V), torch.float32, dev) if h0 is not None else None
+    dv2 = alloc(dv.shape, dv.dtype, dev)
+    dummy = _dummy(dev)
+    key = (_DT[do.dtype], V, HV, HV // qg.shape[2], HV // kg.shape[2], dh0 is not None, dht is not None,
+           float(scale), stages, compile_arch())
+    args = (qg, kg, w, gk, dht if dht is not None else dummy, do, dv, dh, dh0 if dh0 is not None else dummy, dv2)
+    dyn = ((0, 1),) * 4 + ((0,) if dht is not None else (), (0, 1), (0, 1), (0, 1), (0,) if dh0 is not None else (),
+                           (0, 1))
+
+    def build(views, stream):
+        import cutlass.cute as cute
+
+        cfg = _Dhu(_cutlass_dtype(do.dtype), V, HV, HV // qg.shape[2], HV // kg.shape[2], dh0 is not None,
+                   dht is not None, float(scale), stages)
+        return cute.compile(cfg.compile_fn(), *views, stream)
+
+    _cache.launch(key, args, dyn, build)
+    return dh, dh0, dv2

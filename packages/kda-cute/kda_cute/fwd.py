@@ -1,0 +1,263 @@
+"""fwd: the forward state scan fused with its readout on sm_90 (fla 0.6.0's
+`chunk_gated_delta_rule_fwd_h` + `chunk_gla_fwd_o_gk`, h never written per chunk).
+
+Per (b, hv), over chunks c of 64 tokens (gk in log2 units, gd = gk at the chunk's last valid row):
+
+    v_new_c = u_c - w_c @ bf16(h_c)
+    o_c     = scale * (qg_c @ bf16(h_c)) + tril(Aqk_c) @ bf16(v_new_c),   qg = bf16(q * exp2(gk))
+    h_{c+1} = exp2(gd_c)[:, None] * h_c + kg_c^T @ bf16(v_new_c)
+    ht      = h_NT (fp32, when output_final_state)
+
+with fla's casts (qg, h, v_new, Aqk in the input dtype for the dots, fp32 accumulation, o in the
+input dtype). Aqk's strictly-upper triangle is masked in smem (fla's intra leaves it unwritten).
+
+CTA decomposition: `kda_cute._scan` (one warpgroup per (b, hv, 64-wide V tile), state as the wgmma
+accumulator of `kg^T @ v_new`, bf16 state in smem as the shared B operand of `w @ h` and `qg @ h`,
+which are issued in one wgmma group). q arrives by TMA with w, kg, u, Aqk and is gated in place in
+smem (thread k reads column k of gk: coalesced fp32, one exp2 per element, as fla's fwd_o does);
+o is staged in smem and leaves by TMA store. No per-chunk state leaves the CTA.
+"""
+
+import torch
+
+from ._common.cache import CallCache, alloc
+from ._common.support import compile_arch, device_reason
+from . import _scan as S
+from .b1 import _DT, _cutlass_dtype, _dummy
+
+STAGES = 2
+GRID_FLOOR = 0
+_cache = CallCache("kda_cute_fwd")
+
+
+class _Fwd:
+    def __init__(self, dtype, V, HV, ratio_q, ratio_k, has_h0, store_ht, scale, stages):
+        self.dtype, self.V, self.HV, self.ratio_q, self.ratio_k = dtype, V, HV, ratio_q, ratio_k
+        self.has_h0, self.store_ht, self.scale, self.stages = has_h0, store_ht, scale, stages
+
+    def _layouts(self, with_struct=False):
+        import cutlass
+        import cutlass.cute as cute
+
+        dt, st = self.dtype, self.stages
+        self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # w (t, k)
+        self.l_q = S.smem_layout(dt, S.BT, S.KD, True, st)  # q -> qg (t, k)
+        self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # kg^T (k, t)
+        self.l_u = S.smem_layout(dt, S.BV, S.BT, False, st)  # u (v, t)
+        self.l_a = S.smem_layout(dt, S.BT, S.BT, True, st)  # Aqk (t, s)
+        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, 1)
+        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, 1)
+        self.l_o = S.smem_layout(dt, S.BV, S.BT, False, 1)
+        self.tx_bytes = sum(S.tile_bytes(dt, l) for l in (self.l_w, self.l_q, self.l_kg, self.l_u, self.l_a))
+        if not with_struct:
+            return
+
+        @cute.struct
+        class Storage:
+            mbar: cute.struct.MemRange[cutlass.Int64, st]
+            sG: cute.struct.MemRange[cutlass.Float32, S.KD]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_w)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_q)], 1024]
+            sKg: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_kg)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_u)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_a)], 1024]
+            sH: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_h)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_v)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_o)], 1024]
+
+        self.storage = Storage
+
+    def compile_fn(self):
+        import cutlass.cute as cute
+
+        this = self
+
+        @cute.jit
+        def run(q, kg, w, u, gk, aqk, h0, o, ht, stream):
+            this._layouts(with_struct=True)
+            atom_w, tma_w = S.tma_load(S.row_view(w), this.l_w, (S.BT, S.KD))
+            atom_q, tma_q = S.tma_load(S.row_view(q), this.l_q, (S.BT, S.KD))
+            atom_kg, tma_kg = S.tma_load(S.col_view(kg), this.l_kg, (S.KD, S.BT))
+            atom_u, tma_u = S.tma_load(S.col_view(u), this.l_u, (S.BV, S.BT))
+            atom_a, tma_a = S.tma_load(S.row_view(aqk), this.l_a, (S.BT, S.BT))
+            atom_o, tma_o = S.tma_store(S.col_view(o), this.l_o, (S.BV, S.BT))
+            B = cute.size(u, mode=[0])
+            this.kda_cute_fwd(
+                atom_w, tma_w, atom_q, tma_q, atom_kg, tma_kg, atom_u, tma_u, atom_a, tma_a, atom_o, tma_o,
+                S.row_view(gk), S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht),
+                S.mma_tt(this.dtype), S.mma_kv(this.dtype),
+            ).launch(grid=(this.V // S.BV, this.HV, B), block=[S.THREADS, 1, 1], stream=stream)
+
+        return run
+
+    @property
+    def kda_cute_fwd(self):
+        return _fwd_kernel(self)
+
+
+def _fwd_kernel(cfg):
+    import cutlass
+    import cutlass.cute as cute
+
+    class K:
+        @cute.kernel
+        def kda_cute_fwd(
+            self, atom_w, tma_w, atom_q, tma_q, atom_kg, tma_kg, atom_u, tma_u, atom_a, tma_a, atom_o, tma_o,
+            mGr, mGc, mH0, mHt, mma_tt: cute.TiledMma, mma_kv: cute.TiledMma,
+        ):
+            nst = cfg.stages
+            cfg._layouts()
+            tid, _, _ = cute.arch.thread_idx()
+            vt, hv, b = cute.arch.block_idx()
+            hk = hv // cfg.ratio_k
+            hq = hv // cfg.ratio_q
+            T = cute.size(mGc, mode=[1])
+            NT = (T + S.BT - 1) // S.BT
+
+            smem = cutlass.utils.SmemAllocator()
+            st = smem.allocate(cfg.storage)
+            mbar = st.mbar.data_ptr()
+            sG = st.sG.get_tensor(cute.make_layout(S.KD))
+            sW = S.smem_tensor(st.sW, cfg.l_w)
+            sQ = S.smem_tensor(st.sQ, cfg.l_q)
+            sKg = S.smem_tensor(st.sKg, cfg.l_kg)
+            sU = S.smem_tensor(st.sU, cfg.l_u)
+            sA = S.smem_tensor(st.sA, cfg.l_a)
+            sH = S.smem_tensor(st.sH, cfg.l_h)[None, None, 0]
+            sV = S.smem_tensor(st.sV, cfg.l_v)[None, None, 0]
+            sO = S.smem_tensor(st.sO, cfg.l_o)[None, None, 0]
+
+            tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.BT, S.KD), (None, 0, hv, b)))
+            tQs, tQg = S.tma_part(atom_q, sQ, cute.local_tile(tma_q, (S.BT, S.KD), (None, 0, hq, b)))
+            tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.KD, S.BT), (0, None, hk, b)))
+            tUs, tUg = S.tma_part(atom_u, sU, cute.local_tile(tma_u, (S.BV, S.BT), (vt, None, hv, b)))
+            tAs, tAg = S.tma_part(atom_a, sA, cute.local_tile(tma_a, (S.BT, S.BT), (None, 0, hv, b)))
+            tOs, tOg = S.tma_part(atom_o, sO, cute.local_tile(tma_o, (S.BV, S.BT), (vt, None, hv, b)))
+
+            loads = [(atom_w, tWg, tWs), (atom_q, tQg, tQs), (atom_kg, tKg, tKs), (atom_u, tUg, tUs),
+                     (atom_a, tAg, tAs)]
+            S.prologue(mbar, nst, cfg.tx_bytes, loads, 0, 1, NT, tid)
+
+            thr_tt = mma_tt.get_slice(tid)
+            thr_kv = mma_kv.get_slice(tid)
+            tAw = mma_tt.make_fragment_A(thr_tt.partition_A(sW))
+            tAq = mma_tt.make_fragment_A(thr_tt.partition_A(sQ))
+            tAa = mma_tt.make_fragment_A(thr_tt.partition_A(sA))
+            tBh = mma_tt.make_fragment_B(thr_tt.partition_B(sH))
+            tBv_t = mma_tt.make_fragment_B(thr_tt.partition_B(sV))
+            tAk = mma_kv.make_fragment_A(thr_kv.partition_A(sKg))
+            tBv = mma_kv.make_fragment_B(thr_kv.partition_B(sV))
+            cS = thr_kv.partition_C(cute.make_identity_tensor((S.KD, S.BV)))
+            cP = thr_tt.partition_C(cute.make_identity_tensor((S.BT, S.BV)))
+            acc = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
+            accP = cute.make_rmem_tensor(cP.shape, cutlass.Float32)
+            accO = cute.make_rmem_tensor(cP.shape, cutlass.Float32)
+            tSsH = thr_kv.partition_C(S.transposed(sH))
+            tPsV = thr_tt.partition_C(S.transposed(sV))
+            tPsO = thr_tt.partition_C(S.transposed(sO))
+            sU_tv = S.transposed(sU)
+
+            tSgHt = thr_kv.partition_C(cute.local_tile(mHt, (S.KD, S.BV), (0, vt, hv, b)))
+            gH0 = cute.local_tile(mH0, (S.KD, S.BV), (0, vt, hv, b))
+            if cutlass.const_expr(cfg.has_h0):
+                cute.autovec_copy(thr_kv.partition_C(gH0), acc)
+            else:
+                acc.fill(0.0)
+
+            for c in cutlass.range(NT, unroll=1):
+                s = c % nst
+                phase = (c // nst) % 2
+                last = cutlass.min((c + 1) * S.BT, T) - 1
+                S.load_row_scale(sG, mGc[None, last, hv, b], tid)
+                S.frag_to_smem(acc, tSsH, cfg.dtype)
+                cute.arch.mbarrier_wait(mbar + s, phase)
+                S.gate_rows_inplace(sQ[None, None, s], mGr, c * S.BT, T, hv, b, tid)
+                S.mask_upper(sA[None, None, s], tid)
+                S.sync_smem_for_async()
+                # P = w @ bf16(h), O = qg @ bf16(h)   (one wgmma group)
+                cute.nvgpu.warpgroup.fence()
+                S.gemm(mma_tt, accP, tAw, tBh, s, None, False)
+                S.gemm(mma_tt, accO, tAq, tBh, s, None, False)
+                S.wgmma_wait()
+                uf = S.smem_to_frag_f32(thr_tt.partition_C(sU_tv[None, None, s]), accP)
+                accP.store(uf.load() - accP.load())
+                S.frag_to_smem(accP, tPsV, cfg.dtype)
+                if tid == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                S.sync_smem_for_async()
+                # o = scale * O + tril(Aqk) @ v_new ; h = exp2(gd) * h + kg^T @ v_new
+                accO.store(accO.load() * cfg.scale)
+                S.scale_rows(acc, cS, sG, cutlass.Float32(1.0))
+                cute.nvgpu.warpgroup.fence()
+                S.gemm(mma_tt, accO, tAa, tBv_t, s, None, True)
+                S.gemm(mma_kv, acc, tAk, tBv, s, None, True)
+                S.wgmma_wait()
+                S.frag_to_smem(accO, tPsO, cfg.dtype)
+                S.sync_smem_for_async()
+                if tid == 0:
+                    S.store_chunk(atom_o, tOs, tOg, c)
+                    if c + nst < NT:
+                        S.issue_chunk(mbar, s, cfg.tx_bytes, loads, c + nst)
+
+            if cutlass.const_expr(cfg.store_ht):
+                cute.autovec_copy(acc, tSgHt)
+            if tid == 0:
+                cute.arch.cp_async_bulk_wait_group(0)
+
+    return K().kda_cute_fwd
+
+
+# ------------------------------------------------------------------------------------ host side
+def is_supported(q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None) -> str | None:
+    r = device_reason(u)
+    if r:
+        return r
+    return static_reason(q, kg, w, u, gk, Aqk, initial_state)
+
+
+def static_reason(q, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
+    from .b1 import static_reason as b1_reason
+
+    r = b1_reason(kg, w, u, gk, initial_state)
+    if r:
+        return r
+    B, T, HV, V = u.shape
+    if q.dtype != u.dtype or Aqk.dtype != u.dtype:
+        return "q, Aqk must share u's dtype"
+    if q.dim() != 4 or q.shape[0] != B or q.shape[1] != T or q.shape[3] != S.KD or HV % q.shape[2]:
+        return "q must be [B, T, H, 128] with HV % H == 0"
+    if tuple(Aqk.shape) != (B, T, HV, S.BT):
+        return "Aqk must be [B, T, HV, 64] (chunk 64)"
+    for name, t in (("q", q), ("Aqk", Aqk)):
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            return f"{name} not contiguous / aligned"
+    if B * HV * (V // S.BV) < GRID_FLOOR:
+        return f"grid {B * HV * (V // S.BV)} CTAs below the measured floor {GRID_FLOOR} (fla is faster)"
+    return None
+
+
+def fwd_scan(q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages: int = STAGES):
+    """fwd_h + fwd_o fused -> (o, ht)."""
+    B, T, HV, V = u.shape
+    K = kg.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    dev = u.device
+    o = alloc(u.shape, u.dtype, dev)
+    ht = alloc((B, HV, K, V), torch.float32, dev) if output_final_state else None
+    dummy = _dummy(dev)
+    key = (_DT[u.dtype], V, HV, HV // q.shape[2], HV // kg.shape[2], initial_state is not None,
+           bool(output_final_state), float(scale), stages, compile_arch())
+    h0 = initial_state if initial_state is not None else dummy
+    args = (q, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy)
+    dyn = ((0, 1),) * 6 + ((0,) if initial_state is not None else (), (0, 1), (0,) if ht is not None else ())
+
+    def build(views, stream):
+        import cutlass.cute as cute
+
+        cfg = _Fwd(_cutlass_dtype(u.dtype), V, HV, HV // q.shape[2], HV // kg.shape[2], initial_state is not None,
+                   bool(output_final_state), float(scale), stages)
+        return cute.compile(cfg.compile_fn(), *views, stream)
+
+    _cache.launch(key, args, dyn, build)
+    return o, ht
