@@ -143,7 +143,7 @@ def _build_kernel_class():
             row0 = t_idx * BT
 
             # ---------------- shared memory ----------------
-            smem = utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             sQ = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(K, 1)), 16)
             sK = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(K, 1)), 16)
             sG = smem.allocate_tensor(f32, cute.make_layout((BT, K), stride=(K, 1)), 16)
@@ -415,7 +415,7 @@ def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
     return (q.dtype, beta.dtype, K, HV // H, bool(fold_dg), bool(emit_bf16), compile_arch())
 
 
-def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False):
+def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
@@ -426,17 +426,18 @@ def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_
     HV = gk.shape[2]
     outs = _outputs(q, gk, beta, emit_bf16, device=q.device)
     args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, *outs)
-    views = [cute_view(t, (0, 1)) for t in args]
-    return _build(views, cuda.CUstream(0), q, beta, H, HV, K, fold_dg, emit_bf16)
+    views = [cute_view(t, (0, 1, 2)) for t in args]
+    return _build(views, cuda.CUstream(0), q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx)
 
 
-def _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16):
+def _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx=False):
     import cutlass.cute as cute
 
     kern = _kernel_class()(
         _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16
     )
-    return cute.compile(kern, *views, stream, options="--ptxas-options --maxrregcount=128")
+    opts = "--ptxas-options --maxrregcount=128" + (" --keep-ptx" if keep_ptx else "")
+    return cute.compile(kern, *views, stream, options=opts)
 
 
 def _outputs(q, gk, beta, emit_bf16, device):
@@ -466,7 +467,7 @@ def bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf
     _cache.launch(
         key,
         args,
-        ((0, 1),) * len(args),
+        ((0, 1, 2),) * len(args),
         lambda views, stream: _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16),
     )
     dq_o, dk_o, db_o, dg_o = outs
