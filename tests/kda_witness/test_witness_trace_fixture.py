@@ -4,7 +4,8 @@ The fixture has: CuTe kernels launched inside kda::fwd/b1/intra::cute ranges (fw
 thread, the rest on an autograd thread, each kernel running after its CPU range closed, so only
 correlation attributes them right); an fla kernel inside `kda::dhu::fla::kernel not built yet`
 (plus its GPU projection, which must not double count); a nested kda::dg_cumsum range inside
-intra; a kernel outside every range; and a kernel with no launch event inside a GPU-only range.
+intra; a kernel outside every range; a kernel found only through its External id (a cuBLAS
+GEMM in kda::bwd_dAv); and a kernel with no launch event inside a GPU-only range.
 """
 
 import json
@@ -29,13 +30,14 @@ def test_stage_rows(res):
         ("dhu", "fla", "kernel not built yet", 1, ["chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"]),
         ("intra", "cute", None, 1, [n for n in _names() if "kda_cute_intra" in n]),
         ("dg_cumsum", "fla", None, 1, ["chunk_local_cumsum_vector_kernel"]),
+        ("bwd_dAv", "fla", None, 1, ["sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"]),
         ("wy_dqkg", "fla", None, 1, ["chunk_kda_bwd_kernel_wy_dqkg_fused"]),
     ]
     ms = {r.stage: res.row_ms(r) for r in res.stages}
     assert ms == pytest.approx({"fwd": 1.0, "b1": 0.8, "dhu": 2.95, "intra": 0.05, "dg_cumsum": 0.58,
-                                "wy_dqkg": 1.0})
+                                "bwd_dAv": 0.1, "wy_dqkg": 1.0})
     assert res.has_kernels and res.time_source == "device"
-    assert res.total_ms == pytest.approx(6.38)
+    assert res.total_ms == pytest.approx(6.48)
 
 
 def test_outside_and_fallbacks(res):

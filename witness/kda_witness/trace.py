@@ -5,15 +5,18 @@ dur, cat, pid, tid, args; ts and dur in microseconds), so the logic is the same 
 profile (`capture.profile` exports its trace and reads it back) and for a saved or hand-written
 trace, and it is testable without a GPU.
 
-Attribution of one kernel (cat "kernel"), first rule that applies:
+Attribution of one kernel (cat "kernel"): the first rule with evidence for it decides.
 1. correlation: the launch call (cat "cuda_runtime"/"cuda_driver", e.g. cudaLaunchKernel or
    cuLaunchKernelEx) with the same `args.correlation` ran on some CPU thread; the kernel belongs
    to the innermost `kda::` range (cat "user_annotation") on that thread containing the launch.
    Exact even though kernels run later than they are launched, and for the autograd thread.
-2. GPU range: kineto also projects each annotation onto the device timeline (cat
+2. external id: kineto tags a kernel with the `args["External id"]` of the CPU op (or range) that
+   was open when it was launched; the kernel belongs to the innermost range containing that op's
+   start on its thread. For traces that lost the launch event.
+3. GPU range: kineto also projects each annotation onto the device timeline (cat
    "gpu_user_annotation", spanning the range's kernels); the kernel belongs to the innermost one
    on its device containing it in time. For traces without launch events.
-3. otherwise the kernel is outside every kda range (stage None).
+4. otherwise the kernel is outside every kda range (stage None).
 
 Stage rows come from the ranges themselves (the CPU ones; the GPU projections only where a trace
 has no CPU range of that name), so a stage that launched nothing, or a CPU-only profile, still
@@ -34,6 +37,7 @@ from .ranges import CUTE_KERNELS, parse_stage_range
 KERNEL_CAT = "kernel"
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 CPU_RANGE_CAT = "user_annotation"
+HOST_OP_CATS = ("cpu_op", "user_annotation")
 GPU_RANGE_CAT = "gpu_user_annotation"
 _EPS_US = 1e-3  # float rounding of exported timestamps
 
@@ -161,15 +165,21 @@ def attribute(events: list[dict]) -> tuple[list[Range], list[Launch]]:
         corr = (e.get("args") or {}).get("correlation")
         if corr is not None:
             launch_at[corr] = ((e.get("pid"), e.get("tid")), float(e["ts"]))
+    op_at = {}
+    for e in _complete(events, HOST_OP_CATS):
+        ext = (e.get("args") or {}).get("External id")
+        if ext is not None:
+            op_at.setdefault(ext, ((e.get("pid"), e.get("tid")), float(e["ts"])))
     launches = []
     for e in _complete(events, (KERNEL_CAT,)):
         ts, dur = float(e["ts"]), float(e["dur"])
-        corr = (e.get("args") or {}).get("correlation")
-        where = None
-        if corr in launch_at:
-            line, t = launch_at[corr]
-            where = by_thread.find(line, t)
-        if where is None:
+        args = e.get("args") or {}
+        # The first rule with evidence decides, even when it says "outside every range".
+        if args.get("correlation") in launch_at:
+            where = by_thread.find(*launch_at[args["correlation"]])
+        elif args.get("External id") in op_at:
+            where = by_thread.find(*op_at[args["External id"]])
+        else:
             where = by_device.find(e.get("pid"), ts)
         launches.append(Launch(str(e.get("name", "")), ts, dur, where))
     return cpu + gpu, launches
