@@ -219,3 +219,13 @@ def mask_upper(sA: cute.Tensor, tid):
         col = idx % BT
         if col > r:
             sA[r, col] = sA.element_type(0.0)
+
+
+def compile_only(cfg, args, dyn):
+    """Trace + compile a stage for its args without launching (CPU / CI: CUTE_DSL_ARCH=sm_90a)."""
+    import cuda.bindings.driver as cuda
+
+    from ._common.cache import cute_view
+
+    views = [cute_view(t, d) for t, d in zip(args, dyn, strict=True)]
+    return cute.compile(cfg.compile_fn(), *views, cuda.CUstream(0))

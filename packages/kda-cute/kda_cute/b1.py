@@ -256,8 +256,7 @@ def _compile_key(kg, u, initial_state, output_final_state, stages):
             bool(output_final_state), stages, compile_arch())
 
 
-def fwd_h(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages: int = STAGES):
-    """fla's `chunk_gated_delta_rule_fwd_h(k=kg, w, u, gk=gk, ...)` -> (h, v_new, ht)."""
+def _plan(kg, w, u, gk, initial_state, output_final_state, stages):
     B, T, HV, V = u.shape
     K = kg.shape[-1]
     NT = (T + S.BT - 1) // S.BT
@@ -268,20 +267,31 @@ def fwd_h(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages:
     dummy = _dummy(dev)
     key = _compile_key(kg, u, initial_state, output_final_state, stages)
     h0 = initial_state if initial_state is not None else dummy
-    ht_arg = ht if ht is not None else dummy
-    args = (kg, w, u, gk, h0, h, v_new, ht_arg)
+    args = (kg, w, u, gk, h0, h, v_new, ht if ht is not None else dummy)
     dyn = ((0, 1), (0, 1), (0, 1), (0, 1), (0,) if initial_state is not None else (),
            (0, 1), (0, 1), (0,) if ht is not None else ())
+    cfg = _B1(_cutlass_dtype(u.dtype), V, HV, HV // kg.shape[2], initial_state is not None,
+              bool(output_final_state), stages)
+    return (h, v_new, ht), key, args, dyn, cfg
+
+
+def compile_for(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages: int = STAGES):
+    """Compile without launching (CPU tests); returns the compiled object."""
+    _, _, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages)
+    return S.compile_only(cfg, args, dyn)
+
+
+def fwd_h(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages: int = STAGES):
+    """fla's `chunk_gated_delta_rule_fwd_h(k=kg, w, u, gk=gk, ...)` -> (h, v_new, ht)."""
+    outs, key, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages)
 
     def build(views, stream):
         import cutlass.cute as cute
 
-        cfg = _B1(_cutlass_dtype(u.dtype), V, HV, HV // kg.shape[2], initial_state is not None,
-                  bool(output_final_state), stages)
         return cute.compile(cfg.compile_fn(), *views, stream)
 
     _cache.launch(key, args, dyn, build)
-    return h, v_new, ht
+    return outs
 
 
 _dummies: dict = {}

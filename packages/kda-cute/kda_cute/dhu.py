@@ -248,8 +248,7 @@ def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
     return None
 
 
-def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES):
-    """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2)."""
+def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages):
     B, T, HV, V = do.shape
     K = w.shape[-1]
     if scale is None:
@@ -265,13 +264,25 @@ def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES)
     args = (qg, kg, w, gk, dht if dht is not None else dummy, do, dv, dh, dh0 if dh0 is not None else dummy, dv2)
     dyn = ((0, 1),) * 4 + ((0,) if dht is not None else (), (0, 1), (0, 1), (0, 1), (0,) if dh0 is not None else (),
                            (0, 1))
+    cfg = _Dhu(_cutlass_dtype(do.dtype), V, HV, HV // qg.shape[2], HV // kg.shape[2], dh0 is not None,
+               dht is not None, float(scale), stages)
+    return (dh, dh0, dv2), key, args, dyn, cfg
+
+
+def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES):
+    """Compile without launching (CPU tests); returns the compiled object."""
+    _, _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages)
+    return S.compile_only(cfg, args, dyn)
+
+
+def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES):
+    """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2)."""
+    outs, key, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages)
 
     def build(views, stream):
         import cutlass.cute as cute
 
-        cfg = _Dhu(_cutlass_dtype(do.dtype), V, HV, HV // qg.shape[2], HV // kg.shape[2], dh0 is not None,
-                   dht is not None, float(scale), stages)
         return cute.compile(cfg.compile_fn(), *views, stream)
 
     _cache.launch(key, args, dyn, build)
-    return dh, dh0, dv2
+    return outs

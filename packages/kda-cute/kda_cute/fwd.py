@@ -236,8 +236,7 @@ def static_reason(q, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
     return None
 
 
-def fwd_scan(q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages: int = STAGES):
-    """fwd_h + fwd_o fused -> (o, ht)."""
+def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages):
     B, T, HV, V = u.shape
     K = kg.shape[-1]
     if scale is None:
@@ -251,13 +250,26 @@ def fwd_scan(q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False,
     h0 = initial_state if initial_state is not None else dummy
     args = (q, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy)
     dyn = ((0, 1),) * 6 + ((0,) if initial_state is not None else (), (0, 1), (0,) if ht is not None else ())
+    cfg = _Fwd(_cutlass_dtype(u.dtype), V, HV, HV // q.shape[2], HV // kg.shape[2], initial_state is not None,
+               bool(output_final_state), float(scale), stages)
+    return (o, ht), key, args, dyn, cfg
+
+
+def compile_for(q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *,
+                stages: int = STAGES):
+    """Compile without launching (CPU tests); returns the compiled object."""
+    _, _, args, dyn, cfg = _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages)
+    return S.compile_only(cfg, args, dyn)
+
+
+def fwd_scan(q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages: int = STAGES):
+    """fwd_h + fwd_o fused -> (o, ht)."""
+    outs, key, args, dyn, cfg = _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages)
 
     def build(views, stream):
         import cutlass.cute as cute
 
-        cfg = _Fwd(_cutlass_dtype(u.dtype), V, HV, HV // q.shape[2], HV // kg.shape[2], initial_state is not None,
-                   bool(output_final_state), float(scale), stages)
         return cute.compile(cfg.compile_fn(), *views, stream)
 
     _cache.launch(key, args, dyn, build)
-    return o, ht
+    return outs

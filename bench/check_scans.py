@@ -1,0 +1,248 @@
+"""GPU check and timing of the three sm_90 scans (kda_cute.b1 / fwd / dhu) against fla 0.6.0.
+
+Correctness, per shape: every output of ours and of fla against the float64 reference
+(`kda_cute.reference.fwd_h / fwd_scan / bwd_dhu` on float64 copies), side by side; ours must be
+within 2x fla's error (plus a tiny floor). Fresh outputs are NaN-poisoned before each launch and
+must come back finite; two runs must be bitwise identical. Inputs are realistic: kg, w, u, Aqk
+(and qg for dhu) come from fla's own intra / recompute on l2-normed q, k and negative gates.
+Timing: CUDA events per call, warm, median: ours vs fla's fwd_h, fwd_h + fwd_o, bwd_dhu at
+B16 T8192 H16 K128 V256 and a small shape. The table is printed last.
+
+    python bench/check_scans.py [--quick] [--no-time] [--no-check] [--stages 1,2]
+"""
+
+import argparse
+import math
+
+import torch
+
+import kda_cute.b1 as b1
+import kda_cute.dhu as dhu
+import kda_cute.fwd as fwd
+from kda_cute import reference as ref
+from kda_cute.reference import rel_err
+
+RCP_LN2 = 1.0 / math.log(2.0)
+MODS = (b1, fwd, dhu)
+_poison = {"on": False}
+
+
+def _wrap_alloc(mod):
+    orig = mod.alloc
+
+    def alloc(shape, dtype, device, fill=None):
+        t = orig(shape, dtype, device, fill)
+        if _poison["on"] and fill is None:
+            t.fill_(float("nan"))
+        return t
+
+    mod.alloc = alloc
+
+
+for _m in MODS:
+    _wrap_alloc(_m)
+
+
+def make_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0, K=128):
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, device="cuda", dtype=torch.float32)
+
+    q = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype)
+    k = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype)
+    v = rn(B, T, HV, V).to(dtype)
+    g = gmin * torch.rand(B, T, HV, K, generator=gen, device="cuda")
+    gk = chunk_local_cumsum(g, scale=RCP_LN2, chunk_size=64)
+    beta = torch.sigmoid(rn(B, T, HV)).to(dtype)
+    scale = K ** -0.5
+    w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=64)
+    _, _, qg, _ = recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=gk)
+    h0t = rn(B, HV, K, V) * 0.1 if h0 else None
+    do = rn(B, T, HV, V).to(dtype)
+    dv = (rn(B, T, HV, V) * 0.5).to(dtype)
+    dht = rn(B, HV, K, V) * 0.1 if h0 else None
+    return dict(q=q, kg=kg, w=w, u=u, gk=gk, Aqk=Aqk, qg=qg, h0=h0t, do=do, dv=dv, dht=dht, scale=scale)
+
+
+# ------------------------------------------------------------------------------------- the calls
+def ours_b1(d, stages=None):
+    kw = {} if stages is None else {"stages": stages}
+    return b1.fwd_h(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True, **kw)
+
+
+def fla_b1(d):
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    return chunk_gated_delta_rule_fwd_h(k=d["kg"], w=d["w"], u=d["u"], gk=d["gk"], initial_state=d["h0"],
+                                        output_final_state=True)
+
+
+def ours_fwd(d, stages=None):
+    kw = {} if stages is None else {"stages": stages}
+    return fwd.fwd_scan(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], d["h0"], True, d["scale"], **kw)
+
+
+def fla_fwd(d):
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+
+    h, v_new, ht = fla_b1(d)
+    o = chunk_gla_fwd_o_gk(q=d["q"], v=v_new, g=d["gk"], A=d["Aqk"], h=h, scale=d["scale"])
+    return o, ht
+
+
+def ours_dhu(d, stages=None):
+    kw = {} if stages is None else {"stages": stages}
+    return dhu.bwd_dhu(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], d["dv"], d["scale"], **kw)
+
+
+def fla_dhu(d):
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+
+    return chunk_gated_delta_rule_bwd_dhu(q=d["qg"], k=d["kg"], w=d["w"], do=d["do"], dv=d["dv"], gk=d["gk"],
+                                          h0=d["h0"], dht=d["dht"], scale=d["scale"])
+
+
+def poisoned(fn, *a, **kw):
+    _poison["on"] = True
+    try:
+        return fn(*a, **kw)
+    finally:
+        _poison["on"] = False
+
+
+def _sub(d, nb):
+    return {k: (v[:nb].double() if torch.is_tensor(v) else v) for k, v in d.items()}
+
+
+def _cmp(label, ours_t, fla_t, ref_t, nb):
+    if ref_t is None:
+        return True, f"{label} -"
+    eo, ef = rel_err(ours_t[:nb], ref_t), rel_err(fla_t[:nb], ref_t)
+    good = eo <= 2 * ef + 1e-6 and bool(torch.isfinite(ours_t).all())
+    return good, f"{label} {eo:.2e}/{ef:.2e}{'' if good else ' FAIL'}"
+
+
+def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, stages=None):
+    d = make_inputs(B, T, H, HV, V, dtype, h0=h0)
+    nb = B if ref_batches is None else ref_batches
+    d64 = _sub(d, nb)
+    ok_all = True
+    for stage, o_fn, f_fn, r_fn, labels in (
+        ("b1", ours_b1, fla_b1,
+         lambda: ref.fwd_h(d64["kg"], d64["w"], d64["u"], d64["gk"], d64["h0"], True), ("h", "v_new", "ht")),
+        ("fwd", ours_fwd, fla_fwd,
+         lambda: ref.fwd_scan(d64["q"], d64["kg"], d64["w"], d64["u"], d64["gk"], d64["Aqk"], d64["h0"], True,
+                              d["scale"]), ("o", "ht")),
+        ("dhu", ours_dhu, fla_dhu,
+         lambda: ref.bwd_dhu(d64["qg"], d64["kg"], d64["w"], d64["gk"], d64["h0"], d64["dht"], d64["do"],
+                             d64["dv"], d["scale"]), ("dh", "dh0", "dv2")),
+    ):
+        try:
+            o = poisoned(o_fn, d, stages)
+            o2 = o_fn(d, stages)
+            f = f_fn(d)
+            torch.cuda.synchronize()
+            r = r_fn()
+            ok, cells = True, []
+            for i, lab in enumerate(labels):
+                if o[i] is None or f[i] is None:
+                    same_none = (o[i] is None) == (f[i] is None)
+                    ok &= same_none
+                    cells.append(f"{lab} none{'' if same_none else ' FAIL'}")
+                    continue
+                g, c = _cmp(lab, o[i], f[i], r[i], nb)
+                ok &= g
+                cells.append(c)
+            det = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(o, o2))
+            ok &= det
+            cells.append("det ok" if det else "det FAIL")
+            print(f"{'PASS' if ok else 'FAIL'} {stage:<4} {name:<36} (ours/fla rel err vs f64) " + " | ".join(cells),
+                  flush=True)
+            del o, o2, f, r
+        except Exception as e:  # one call must tell everything
+            ok = False
+            print(f"ERROR {stage} {name}: {type(e).__name__}: {e}", flush=True)
+        ok_all &= ok
+    del d, d64
+    torch.cuda.empty_cache()
+    return ok_all
+
+
+def median_ms(fn, warmup=3, reps=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def time_shape(B, T, H, HV, V, stages_list, dtype=torch.bfloat16):
+    d = make_inputs(B, T, H, HV, V, dtype, h0=False)
+    rows = []
+    for stage, o_fn, f_fn in (("b1", ours_b1, fla_b1), ("fwd", ours_fwd, fla_fwd), ("dhu", ours_dhu, fla_dhu)):
+        try:
+            tf = median_ms(lambda: f_fn(d))
+            ts = {s: median_ms(lambda s=s: o_fn(d, s)) for s in stages_list}
+            rows.append((f"B{B} T{T} H{H} HV{HV} V{V}", stage, B * HV * (V // 64), tf, ts))
+        except Exception as e:
+            print(f"ERROR timing {stage} B{B} T{T}: {type(e).__name__}: {e}", flush=True)
+    del d
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--stages", default="2,1")
+    a = ap.parse_args()
+    stages_list = [int(s) for s in a.stages.split(",")]
+    for m in MODS:
+        m.GRID_FLOOR = 0
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    ok = True
+    if not a.no_check:
+        shapes = [
+            ("B2 T256 H4 V128 bf16 h0/dht", 2, 256, 4, 4, 128, torch.bfloat16, True),
+            ("B1 T64 H2 V128 bf16 (T=64) no h0", 1, 64, 2, 2, 128, torch.bfloat16, False),
+            ("B2 T200 H2 HV4 V128 bf16 GVA tail h0", 2, 200, 2, 4, 128, torch.bfloat16, True),
+            ("B2 T256 H4 V128 fp16 h0/dht", 2, 256, 4, 4, 128, torch.float16, True),
+            ("B2 T512 H4 V256 bf16 no h0", 2, 512, 4, 4, 256, torch.bfloat16, False),
+        ]
+        if not a.quick:
+            shapes.append(("B16 T8192 H16 V256 bf16 (ref b0)", 16, 8192, 16, 16, 256, torch.bfloat16, True))
+        for name, B, T, H, HV, V, dt, h0 in shapes:
+            ok &= check_shape(name, B, T, H, HV, V, dt, h0, ref_batches=1 if B >= 16 else None,
+                              stages=stages_list[0])
+        print("ALL PASS" if ok else "SOME FAIL", flush=True)
+    if not a.no_time:
+        rows = []
+        for B, T, H, HV, V in ((16, 8192, 16, 16, 256), (2, 4096, 16, 16, 256), (1, 2048, 4, 4, 128)):
+            rows += time_shape(B, T, H, HV, V, stages_list)
+        print()
+        hdr = " | ".join(f"ours S={s} ms" for s in stages_list)
+        print(f"| shape | stage | CTAs | fla ms | {hdr} | fla / best ours |")
+        print("|---|---|---|---|" + "---|" * len(stages_list) + "---|")
+        for shape, stage, ctas, tf, ts in rows:
+            best = min(ts.values())
+            cells = " | ".join(f"{ts[s]:.3f}" for s in stages_list)
+            print(f"| {shape} | {stage} | {ctas} | {tf:.3f} | {cells} | {tf / best:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
