@@ -114,7 +114,7 @@ def _fwd_kernel(cfg):
             T = cute.size(mGc, mode=[1])
             NT = (T + S.BT - 1) // S.BT
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(cfg.storage)
             mbar = st.mbar.data_ptr()
             sG = st.sG.get_tensor(cute.make_layout(S.KD))
