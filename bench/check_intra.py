@@ -160,6 +160,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time the kernel's tuning knobs")
     a = ap.parse_args()
     saved_gate = intra._MIN_CTAS
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
@@ -199,6 +200,19 @@ def main():
                 ok = False
                 print(f"ERROR {name}: {type(e).__name__}: {e}", flush=True)
     run_timing(extra)
+    if a.sweep:
+        args = make_inputs(16, 8192, 16, 16, 128)
+        base = dict(intra._TUNE)
+        for cfg in ({"pf": 0}, {"pf": 4}, {"pf": 2, "maxreg": 168}):
+            intra._TUNE.update(cfg)
+            try:
+                t = median_ms(lambda: intra.bwd_intra(*args, fold_dg=True))
+                print(f"sweep {intra._TUNE}: ours fold {t:.3f} ms at B16 T8192 H16", flush=True)
+            except Exception as e:
+                print(f"ERROR sweep {cfg}: {type(e).__name__}: {e}", flush=True)
+            intra._TUNE.clear()
+            intra._TUNE.update(base)
+        del args
     intra._MIN_CTAS = saved_gate
     if rows:
         print()

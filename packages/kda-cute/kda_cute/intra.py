@@ -69,7 +69,8 @@ def _exp2(x):
 class KdaIntraBwd:
     """See the module docstring. io_dtype: q/k dtype; beta_dtype: beta's dtype."""
 
-    def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool):
+    def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool, pf: int = 2):
+        self.pf = pf  # rows of incoming dq/dk/dg prefetched ahead of the diagonal walk
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -239,6 +240,12 @@ def _build_kernel_class():
                     accq[s] = f32(0.0)
                     acck[s] = f32(0.0)
                     dkt[s] = f32(0.0)
+                # incoming grads of the first rows the diagonal walk finalizes, issued now so
+                # their latency hides under the cross sums (later rows: PF rows ahead)
+                pf = {}
+                for j in cutlass.range_constexpr(min(self.pf, BC)):
+                    gp = row0 + r0 + BC - 1 - j
+                    pf[BC - 1 - j] = (mDqi[b, gp, hv, d], mDki[b, gp, hv, d], mDgi[b, gp, hv, d])
 
                 # -- cross row side: sources s < r0, anchored at the block's first row
                 ga = gs[0]
@@ -276,6 +283,9 @@ def _build_kernel_class():
                 for rd in cutlass.range_constexpr(BC):
                     r = BC - 1 - rd
                     row = r0 + r
+                    if cutlass.const_expr(self.pf > 0 and r - self.pf >= 0):
+                        gp = row0 + row - self.pf
+                        pf[r - self.pf] = (mDqi[b, gp, hv, d], mDki[b, gp, hv, d], mDgi[b, gp, hv, d])
                     qr = f32(sQ[row, d])
                     br = sBeta[row]
                     kbr = br * ks[r]
@@ -301,11 +311,15 @@ def _build_kernel_class():
                                     dkt[s] = dkt[s] + (aq[j] * qr + ak[j] * kbr) * e
                     # row r's outputs
                     grow = row0 + row
-                    dq_o = a_q + mDqi[b, grow, hv, d]
+                    if cutlass.const_expr(self.pf > 0):
+                        dqi, dki, dgi = pf.pop(r)
+                    else:
+                        dqi, dki, dgi = mDqi[b, grow, hv, d], mDki[b, grow, hv, d], mDgi[b, grow, hv, d]
+                    dq_o = a_q + dqi
                     dk2 = a_k * br
                     dkt_r = dkt[r]
-                    dk_o = dk2 + dkt_r + mDki[b, grow, hv, d]
-                    dg_o = qr * a_q + (dk2 - dkt_r) * ks[r] + mDgi[b, grow, hv, d]
+                    dk_o = dk2 + dkt_r + dki
+                    dg_o = qr * a_q + (dk2 - dkt_r) * ks[r] + dgi
                     mDq[b, grow, hv, d] = dq_o.to(out_qk)
                     mDk[b, grow, hv, d] = dk_o.to(out_qk)
                     if cutlass.const_expr(self.fold_dg):
@@ -411,8 +425,13 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
     return None
 
 
+# Tuning knobs read per call (bench sweeps them; the defaults are the measured best).
+_TUNE = {"pf": 2, "maxreg": 128}
+
+
 def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
-    return (q.dtype, beta.dtype, K, HV // H, bool(fold_dg), bool(emit_bf16), compile_arch())
+    return (q.dtype, beta.dtype, K, HV // H, bool(fold_dg), bool(emit_bf16), compile_arch(),
+            tuple(sorted(_TUNE.items())))
 
 
 def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False, keep_ptx=False):
@@ -434,9 +453,9 @@ def _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx=False)
     import cutlass.cute as cute
 
     kern = _kernel_class()(
-        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16
+        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16, _TUNE["pf"]
     )
-    opts = "--ptxas-options --maxrregcount=128" + (" --keep-ptx" if keep_ptx else "")
+    opts = f"--ptxas-options --maxrregcount={_TUNE['maxreg']}" + (" --keep-ptx" if keep_ptx else "")
     return cute.compile(kern, *views, stream, options=opts)
 
 
