@@ -69,8 +69,9 @@ def _exp2(x):
 class KdaIntraBwd:
     """See the module docstring. io_dtype: q/k dtype; beta_dtype: beta's dtype."""
 
-    def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool, pf: int = 2):
-        self.pf = pf  # rows of incoming dq/dk/dg prefetched ahead of the diagonal walk
+    def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool, pf: int = 2, xu: int = 1):
+        self.pf = pf
+        self.xu = xu  # unroll of the dynamic cross-sum loops  # rows of incoming dq/dk/dg prefetched ahead of the diagonal walk
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -249,7 +250,7 @@ def _build_kernel_class():
 
                 # -- cross row side: sources s < r0, anchored at the block's first row
                 ga = gs[0]
-                for s4 in cutlass.range(0, r0, 4, unroll=1):
+                for s4 in cutlass.range(0, r0, 4, unroll=self.xu):
                     kg0 = f32(sK[s4, d]) * _exp2(ga - sG[s4, d])
                     kg1 = f32(sK[s4 + 1, d]) * _exp2(ga - sG[s4 + 1, d])
                     kg2 = f32(sK[s4 + 2, d]) * _exp2(ga - sG[s4 + 2, d])
@@ -267,7 +268,7 @@ def _build_kernel_class():
 
                 # -- cross column side: targets r > r0 + 15, anchored at the block's last row
                 gn = gs[BC - 1]
-                for rr in cutlass.range(r0 + BC, BT, unroll=1):
+                for rr in cutlass.range(r0 + BC, BT, unroll=self.xu):
                     e = _exp2(sG[rr, d] - gn)
                     qb = f32(sQ[rr, d]) * e
                     kbb = sBeta[rr] * f32(sK[rr, d]) * e
@@ -426,7 +427,7 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
 
 
 # Tuning knobs read per call (bench sweeps them; the defaults are the measured best).
-_TUNE = {"pf": 2, "maxreg": 128}
+_TUNE = {"pf": 2, "maxreg": 128, "xu": 1}
 
 
 def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
@@ -453,7 +454,7 @@ def _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx=False)
     import cutlass.cute as cute
 
     kern = _kernel_class()(
-        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16, _TUNE["pf"]
+        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16, _TUNE["pf"], _TUNE["xu"]
     )
     opts = f"--ptxas-options --maxrregcount={_TUNE['maxreg']}" + (" --keep-ptx" if keep_ptx else "")
     return cute.compile(kern, *views, stream, options=opts)
