@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU suite: everything that needs the H200, in one device call. Logs and results go under
+# $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, witness.txt,
+# triton-autotune.tar). Each step has its own time limit, so one slow step cannot eat the call.
+#
+#   bash bench/gpu_suite.sh [steps]      steps: witness kernels tests bench (default: all)
+#
+# On the device machine, after the devkit (../shared/device/README.md):
+#   source .dev-b/setup.sh || exit $?; bash bench/gpu_suite.sh
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD/packages/kda-cute:$PWD/chain:$PWD/witness:$PWD/bench:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/kda-suite}
+mkdir -p "$OUT"
+LOG=$OUT/suite.log
+steps=${*:-witness kernels tests bench}
+
+step() {  # step NAME LIMIT_S CMD...
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  t0=$(date +%s)
+  echo "=== $name: $*" | tee -a "$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  rc=$?
+  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
+for s in $steps; do
+  case $s in
+    witness)
+      step witness 240 python -m kda_witness --reps 5 --trace "$OUT/trace.json"
+      python -m kda_witness --require-cute --reps 1 --B 2 --T 1024 >>"$LOG" 2>&1
+      echo "=== witness --require-cute (B2 T1024) rc=$?" | tee -a "$LOG"
+      rm -f "$OUT/trace.json" ;;  # large; rerun with --trace locally when needed
+    kernels)
+      [ -f bench/check_intra.py ] && step check_intra 200 python bench/check_intra.py
+      [ -f bench/check_scans.py ] && step check_scans 200 python bench/check_scans.py ;;
+    tests)
+      step gpu_tests 300 python -m pytest -p no:cacheprovider -q -x --durations=15 tests/gpu ;;
+    bench)
+      step bench 300 python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
+        --benchmark-columns=median,iqr,rounds ;;
+  esac
+done
+command -v kda_save_autotune >/dev/null && kda_save_autotune >/dev/null 2>&1
+grep -E "^=== " "$LOG"
