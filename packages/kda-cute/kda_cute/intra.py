@@ -70,8 +70,8 @@ class KdaIntraBwd:
     """See the module docstring. io_dtype: q/k dtype; beta_dtype: beta's dtype."""
 
     def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool, pf: int = 2, xu: int = 1):
-        self.pf = pf
-        self.xu = xu  # unroll of the dynamic cross-sum loops  # rows of incoming dq/dk/dg prefetched ahead of the diagonal walk
+        self.pf = pf  # rows of incoming dq/dk/dg prefetched ahead of the diagonal walk
+        self.xu = xu  # unroll of the dynamic cross-sum loops
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
