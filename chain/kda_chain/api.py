@@ -54,7 +54,8 @@ def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel
     _check(q.dim() == 4, f"q must be [B, T, H, K], got shape {list(q.shape)}")
     _check(k.shape == q.shape, f"q and k must have the same shape, got q={list(q.shape)} k={list(k.shape)}")
     B, T, H, K = q.shape
-    _check(v.dim() == 4 and v.shape[:2] == (B, T), f"v must be [B, T, HV, V] with B={B} T={T}, got {list(v.shape)}")
+    _check(v.dim() == 4 and v.shape[:2] == (B, T),
+           f"v must be [B, T, HV, V] with B={B} T={T}, got {list(v.shape)}")
     HV = v.shape[2]
     _check(HV % H == 0, f"HV={HV} (v.shape[2]) must be a multiple of H={H} (q.shape[2])")
     _check(K <= 256, f"key head dim K={K} > 256 is not supported (fla's limit)")
@@ -79,7 +80,8 @@ def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel
         if A_log is not None:
             _check(A_log.numel() == HV, f"A_log must have HV={HV} elements, got shape {list(A_log.shape)}")
         if dt_bias is not None:
-            _check(dt_bias.numel() == HV * K, f"dt_bias must have HV*K={HV * K} elements, got {list(dt_bias.shape)}")
+            _check(dt_bias.numel() == HV * K,
+                   f"dt_bias must have HV*K={HV * K} elements, got {list(dt_bias.shape)}")
     if allow_neg_eigval:
         _check(use_beta_sigmoid_in_kernel, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
 
@@ -179,7 +181,6 @@ def is_supported(q: torch.Tensor, v: torch.Tensor | None = None, **flags) -> dic
 def _probe_args(stage: str, q, B, T, H, HV, K, V):
     dev, dt = q.device, q.dtype
     f32 = torch.float32
-    NT = (T + 63) // 64
 
     def t(*shape, dtype=dt):
         return torch.empty(shape, device=dev, dtype=dtype)

@@ -4,7 +4,8 @@ For each shape: fresh random inputs, one fwd+bwd through (a) our chunk_kda, (b) 
 (c) the float64 reference chain on the same (upcast) inputs. Every output's error against (c) —
 o, ht, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 — must be no worse than 2x fla's error
 (plus 1e-6 absolute slack for outputs fla gets exactly). Every output must exist and be finite
-(kernel outputs are poisoned with NaN in the kernels' own tests). Results go to $OUT/chain_errors.json when $OUT is set.
+(kernel outputs are poisoned with NaN in the kernels' own tests). Results go to
+$OUT/chain_errors.json when $OUT is set.
 """
 
 from __future__ import annotations
