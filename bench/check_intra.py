@@ -15,9 +15,8 @@ import argparse
 import math
 import sys
 
-import torch
-
 import kda_cute.intra as intra
+import torch
 from kda_cute import reference as ref
 from kda_cute.reference import rel_err
 
@@ -105,7 +104,7 @@ def check_shape(name, B, T, H, HV, K, dtype=torch.bfloat16, gmin=-0.5, ref_batch
     good &= all(torch.equal(of[i], o[i]) for i in range(3))
     ok &= good
     cells.append(f"fold {e_fold_ref:.2e}/{e_fold_fla:.2e} (vs fla {e_fold_vs:.1e}){'' if good else ' FAIL'}")
-    det = all(torch.equal(a, b) for a, b in zip(o, o2))
+    det = all(torch.equal(a, b) for a, b in zip(o, o2, strict=True))
     ok &= det
     cells.append("det ok" if det else "det FAIL")
     if HV == H and K == 128 and dtype == torch.bfloat16:  # (other dtypes: one more compile each)
@@ -146,12 +145,12 @@ def time_shape(B, T, H, HV, K, dtype=torch.bfloat16):
     t_cs = median_ms(lambda: chunk_local_cumsum(dgf, chunk_size=64, reverse=True))
     t_fold = median_ms(lambda: intra.bwd_intra(*args, fold_dg=True))
     t_plain = median_ms(lambda: intra.bwd_intra(*args))
-    t_emit = median_ms(lambda: intra.bwd_intra(*args, fold_dg=True, emit_bf16=True)) if HV == H else float("nan")
+    t_emit = float("nan")
+    if HV == H:
+        t_emit = median_ms(lambda: intra.bwd_intra(*args, fold_dg=True, emit_bf16=True))
     row = dict(shape=f"B{B} T{T} H{H} HV{HV} K{K} {str(dtype)[6:]}", fla=t_fla, cumsum=t_cs,
                ours_fold=t_fold, ours=t_plain, ours_fold_bf16=t_emit,
                ratio=(t_fla + t_cs) / t_fold, ctas=B * (T // 64) * HV)
-    del args, dgf
-    torch.cuda.empty_cache()
     return row
 
 
@@ -174,22 +173,25 @@ def main():
             try:
                 rows.append(time_shape(B, T, H, HV, 128))
                 r = rows[-1]
-                print(f"timed {r['shape']}: fla {r['fla']:.3f} + {r['cumsum']:.3f} ms, ours fold {r['ours_fold']:.3f} ms"
-                      f" ({r['ratio']:.2f}x), ours {r['ours']:.3f} ms", flush=True)
+                print(f"timed {r['shape']}: fla {r['fla']:.3f} + {r['cumsum']:.3f} ms, "
+                      f"ours fold {r['ours_fold']:.3f} ms ({r['ratio']:.2f}x), ours {r['ours']:.3f} ms",
+                      flush=True)
             except Exception as e:
                 print(f"ERROR timing B{B} T{T} H{H}: {type(e).__name__}: {e}", flush=True)
 
     intra._MIN_CTAS = 0  # time and check the kernel itself at every size
     run_timing(timing)
     if not a.no_check:
+        # HV = 16 everywhere: fla's autotune results for that key are seeded in the devkit,
+        # so the checks do not spend minutes autotuning fla at new head counts
         shapes = [
-            ("B2 T256 H4 K128 bf16", 2, 256, 4, 4, 128, torch.bfloat16, -0.5),
-            ("B1 T64 H2 K128 bf16 (T=64)", 1, 64, 2, 2, 128, torch.bfloat16, -0.5),
-            ("B2 T512 H2 HV4 K128 bf16 (GVA)", 2, 512, 2, 4, 128, torch.bfloat16, -0.5),
-            ("B2 T256 H4 K128 fp16", 2, 256, 4, 4, 128, torch.float16, -0.5),
-            ("B2 T256 H4 K128 strong gate -5", 2, 256, 4, 4, 128, torch.bfloat16, -5.0),
-            ("B2 T256 H4 K64 bf16", 2, 256, 4, 4, 64, torch.bfloat16, -0.5),
-            ("B2 T256 H2 HV4 K64 strong -5 (GVA)", 2, 256, 2, 4, 64, torch.bfloat16, -5.0),
+            ("B1 T512 H16 K128 bf16", 1, 512, 16, 16, 128, torch.bfloat16, -0.5),
+            ("B1 T64 H16 K128 bf16 (T=64)", 1, 64, 16, 16, 128, torch.bfloat16, -0.5),
+            ("B1 T256 H8 HV16 K128 bf16 (GVA)", 1, 256, 8, 16, 128, torch.bfloat16, -0.5),
+            ("B1 T256 H16 K128 fp16", 1, 256, 16, 16, 128, torch.float16, -0.5),
+            ("B1 T256 H16 K128 strong gate -5", 1, 256, 16, 16, 128, torch.bfloat16, -5.0),
+            ("B1 T256 H16 K64 bf16", 1, 256, 16, 16, 64, torch.bfloat16, -0.5),
+            ("B1 T256 H8 HV16 K64 strong -5 (GVA)", 1, 256, 8, 16, 64, torch.bfloat16, -5.0),
         ]
         if not a.quick:
             shapes.append(("B16 T8192 H16 K128 bf16 (ref b0)", 16, 8192, 16, 16, 128, torch.bfloat16, -0.5))
@@ -212,14 +214,15 @@ def main():
                 print(f"ERROR sweep {cfg}: {type(e).__name__}: {e}", flush=True)
             intra._TUNE.clear()
             intra._TUNE.update(base)
-        del args
     intra._MIN_CTAS = saved_gate
     if rows:
         print()
-        print("| shape | CTAs | fla intra ms | fla dg cumsum ms | ours fold_dg ms | ours ms | ours fold+bf16 ms | fla+cumsum / ours fold |")
+        print("| shape | CTAs | fla intra ms | fla dg cumsum ms | ours fold_dg ms | ours ms "
+              "| ours fold+bf16 ms | fla+cumsum / ours fold |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['shape']} | {r['ctas']} | {r['fla']:.3f} | {r['cumsum']:.3f} | {r['ours_fold']:.3f} | "
+            print(f"| {r['shape']} | {r['ctas']} | {r['fla']:.3f} | {r['cumsum']:.3f} | "
+                  f"{r['ours_fold']:.3f} | "
                   f"{r['ours']:.3f} | {r['ours_fold_bf16']:.3f} | {r['ratio']:.2f}x |")
     print("ALL PASS" if ok else "SOME CHECKS FAILED", flush=True)
     return 0 if ok else 1

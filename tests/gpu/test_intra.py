@@ -33,7 +33,8 @@ def make_inputs(B, T, H, HV, K, dtype=torch.bfloat16, gmin=-0.5, seed=0):
     step = gmin * torch.rand(B, T, HV, K, generator=gen, device="cuda")
     g = (step.view(B, T // 64, 64, HV, K).cumsum(2).view(B, T, HV, K) / math.log(2.0)).contiguous()
     beta = torch.sigmoid(rn(B, T, HV)).to(dtype)
-    return q, k, g, beta, rn(B, T, HV, 64), rn(B, T, HV, 64), rn(B, T, HV, K), rn(B, T, HV, K), rn(B, T, HV), rn(B, T, HV, K)
+    dA = (rn(B, T, HV, 64), rn(B, T, HV, 64))
+    return q, k, g, beta, *dA, rn(B, T, HV, K), rn(B, T, HV, K), rn(B, T, HV), rn(B, T, HV, K)
 
 
 @pytest.fixture
@@ -48,14 +49,14 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(intra, "_MIN_CTAS", 0)
 
 
-CASES = [
-    ("ref-like", 2, 512, 4, 4, 128, torch.bfloat16, -0.5),
-    ("T64", 1, 64, 2, 2, 128, torch.bfloat16, -0.5),
-    ("gva", 2, 256, 2, 4, 128, torch.bfloat16, -0.5),
-    ("fp16", 2, 256, 4, 4, 128, torch.float16, -0.5),
-    ("strong-gate", 2, 256, 4, 4, 128, torch.bfloat16, -5.0),
-    ("k64", 2, 256, 4, 4, 64, torch.bfloat16, -0.5),
-    ("k64-gva-strong", 1, 256, 2, 4, 64, torch.bfloat16, -5.0),
+CASES = [  # HV = 16: fla's autotune for that key is seeded on the GPU machine
+    ("ref-like", 1, 512, 16, 16, 128, torch.bfloat16, -0.5),
+    ("T64", 1, 64, 16, 16, 128, torch.bfloat16, -0.5),
+    ("gva", 1, 256, 8, 16, 128, torch.bfloat16, -0.5),
+    ("fp16", 1, 256, 16, 16, 128, torch.float16, -0.5),
+    ("strong-gate", 1, 256, 16, 16, 128, torch.bfloat16, -5.0),
+    ("k64", 1, 256, 16, 16, 64, torch.bfloat16, -0.5),
+    ("k64-gva-strong", 1, 256, 8, 16, 64, torch.bfloat16, -5.0),
 ]
 
 
@@ -69,7 +70,7 @@ def test_bwd_intra_matches_float64_within_2x_fla(case, poisoned):
     ours = intra.bwd_intra(*args)
     fla = chunk_kda_bwd_intra(*args, chunk_size=64)
     r = ref.bwd_intra(*[t.double() for t in args])
-    for name, o, f, e in zip(("dq", "dk", "db", "dg"), ours, fla, r):
+    for name, o, f, e in zip(("dq", "dk", "db", "dg"), ours, fla, r, strict=True):
         assert torch.isfinite(o).all(), f"{name}: unwritten (NaN) or non-finite entries"
         eo, ef = rel_err(o, e), rel_err(f, e)
         assert eo <= 2 * ef + 1e-6, f"{name}: ours {eo:.3e} vs fla {ef:.3e}"
@@ -82,8 +83,8 @@ def test_bwd_intra_matches_float64_within_2x_fla(case, poisoned):
     assert rel_err(folded[3], r_fold) <= 2 * rel_err(fla_fold, r_fold) + 1e-6
     assert rel_err(folded[3], fla_fold) < 1e-3
     again = intra.bwd_intra(*args)
-    assert all(torch.equal(a, b) for a, b in zip(ours, again)), "two runs differ"
-    if HV == H:
+    assert all(torch.equal(a, b) for a, b in zip(ours, again, strict=True)), "two runs differ"
+    if HV == H and K == 128 and dtype == torch.bfloat16:  # other dtypes: one compile each
         e16 = intra.bwd_intra(*args, emit_bf16=True)
         assert e16[0].dtype == dtype and e16[1].dtype == dtype
         assert torch.equal(e16[0], ours[0].to(dtype)) and torch.equal(e16[1], ours[1].to(dtype))

@@ -45,7 +45,7 @@ Measured (H200, see bench/results/intra_*.md): filled in from bench/check_intra.
 import torch
 
 from ._common.cache import CallCache, alloc
-from ._common.support import compile_arch, device_reason, sm_count
+from ._common.support import compile_arch, device_reason
 
 BT = 64  # chunk
 BC = 16  # diagonal block
@@ -69,7 +69,8 @@ def _exp2(x):
 class KdaIntraBwd:
     """See the module docstring. io_dtype: q/k dtype; beta_dtype: beta's dtype."""
 
-    def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool, pf: int = 2, xu: int = 1):
+    def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool,
+                 pf: int = 2, xu: int = 1):
         self.pf = pf  # rows of incoming dq/dk/dg prefetched ahead of the diagonal walk
         self.xu = xu  # unroll of the dynamic cross-sum loops
         self.io_dtype = io_dtype
@@ -87,7 +88,6 @@ def _build_kernel_class():
     """Defined lazily so importing this module does not import the DSL (seconds)."""
     import cutlass
     import cutlass.cute as cute
-    import cutlass.utils as utils
 
     f32 = cutlass.Float32
 
@@ -114,8 +114,14 @@ def _build_kernel_class():
             B = cute.size(mG, mode=[0])
             T = cute.size(mG, mode=[1])
             HV = cute.size(mG, mode=[2])
-            self.kda_cute_intra(mQ, mK, mG, mBeta, mAq, mAk, mDqi, mDki, mDbi, mDgi, mDq, mDk, mDb, mDg).launch(
-                grid=(T // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=2, preferred_smem_carveout=100, stream=stream
+            # min_blocks_per_mp=2: two CTAs (16 warps) per SM is the design point; the carveout
+            # is given so the compile does not query a device (CPU compiles for CI).
+            kernel = self.kda_cute_intra(
+                mQ, mK, mG, mBeta, mAq, mAk, mDqi, mDki, mDbi, mDgi, mDq, mDk, mDb, mDg
+            )
+            kernel.launch(
+                grid=(T // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=2,
+                preferred_smem_carveout=100, stream=stream
             )
 
         @cute.kernel
@@ -370,7 +376,8 @@ def _kernel_class():
 def _cutlass_dtype(dt: torch.dtype):
     import cutlass
 
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}[dt]
+    table = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
+    return table[dt]
 
 
 # ----------------------------------------------------------------------------------- host side
@@ -438,7 +445,6 @@ def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
 def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
     import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
 
     from ._common.cache import cute_view
 
@@ -454,7 +460,8 @@ def _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx=False)
     import cutlass.cute as cute
 
     kern = _kernel_class()(
-        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16, _TUNE["pf"], _TUNE["xu"]
+        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16,
+        _TUNE["pf"], _TUNE["xu"]
     )
     opts = f"--ptxas-options --maxrregcount={_TUNE['maxreg']}" + (" --keep-ptx" if keep_ptx else "")
     return cute.compile(kern, *views, stream, options=opts)
