@@ -14,11 +14,10 @@ B16 T8192 H16 K128 V256 and a small shape. The table is printed last.
 import argparse
 import math
 
-import torch
-
 import kda_cute.b1 as b1
 import kda_cute.dhu as dhu
 import kda_cute.fwd as fwd
+import torch
 from kda_cute import reference as ref
 from kda_cute.reference import rel_err
 
@@ -59,7 +58,7 @@ def make_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0
     g = gmin * torch.rand(B, T, HV, K, generator=gen, device="cuda")
     gk = chunk_local_cumsum(g, scale=RCP_LN2, chunk_size=64)
     beta = torch.sigmoid(rn(B, T, HV)).to(dtype)
-    scale = K ** -0.5
+    scale = K**-0.5
     w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=64)
     _, _, qg, _ = recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=gk)
     h0t = rn(B, HV, K, V) * 0.1 if h0 else None
@@ -78,8 +77,9 @@ def ours_b1(d, stages=None):
 def fla_b1(d):
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
-    return chunk_gated_delta_rule_fwd_h(k=d["kg"], w=d["w"], u=d["u"], gk=d["gk"], initial_state=d["h0"],
-                                        output_final_state=True)
+    return chunk_gated_delta_rule_fwd_h(
+        k=d["kg"], w=d["w"], u=d["u"], gk=d["gk"], initial_state=d["h0"], output_final_state=True
+    )
 
 
 def ours_fwd(d, stages=None):
@@ -97,14 +97,25 @@ def fla_fwd(d):
 
 def ours_dhu(d, stages=None):
     kw = {} if stages is None else {"stages": stages}
-    return dhu.bwd_dhu(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], d["dv"], d["scale"], **kw)
+    return dhu.bwd_dhu(
+        d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], d["dv"], d["scale"], **kw
+    )
 
 
 def fla_dhu(d):
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
 
-    return chunk_gated_delta_rule_bwd_dhu(q=d["qg"], k=d["kg"], w=d["w"], do=d["do"], dv=d["dv"], gk=d["gk"],
-                                          h0=d["h0"], dht=d["dht"], scale=d["scale"])
+    return chunk_gated_delta_rule_bwd_dhu(
+        q=d["qg"],
+        k=d["kg"],
+        w=d["w"],
+        do=d["do"],
+        dv=d["dv"],
+        gk=d["gk"],
+        h0=d["h0"],
+        dht=d["dht"],
+        scale=d["scale"],
+    )
 
 
 def poisoned(fn, *a, **kw):
@@ -133,14 +144,39 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, stages=None):
     d64 = _sub(d, nb)
     ok_all = True
     for stage, o_fn, f_fn, r_fn, labels in (
-        ("b1", ours_b1, fla_b1,
-         lambda: ref.fwd_h(d64["kg"], d64["w"], d64["u"], d64["gk"], d64["h0"], True), ("h", "v_new", "ht")),
-        ("fwd", ours_fwd, fla_fwd,
-         lambda: ref.fwd_scan(d64["q"], d64["kg"], d64["w"], d64["u"], d64["gk"], d64["Aqk"], d64["h0"], True,
-                              d["scale"]), ("o", "ht")),
-        ("dhu", ours_dhu, fla_dhu,
-         lambda: ref.bwd_dhu(d64["qg"], d64["kg"], d64["w"], d64["gk"], d64["h0"], d64["dht"], d64["do"],
-                             d64["dv"], d["scale"]), ("dh", "dh0", "dv2")),
+        (
+            "b1",
+            ours_b1,
+            fla_b1,
+            lambda: ref.fwd_h(d64["kg"], d64["w"], d64["u"], d64["gk"], d64["h0"], True),
+            ("h", "v_new", "ht"),
+        ),
+        (
+            "fwd",
+            ours_fwd,
+            fla_fwd,
+            lambda: ref.fwd_scan(
+                d64["q"], d64["kg"], d64["w"], d64["u"], d64["gk"], d64["Aqk"], d64["h0"], True, d["scale"]
+            ),
+            ("o", "ht"),
+        ),
+        (
+            "dhu",
+            ours_dhu,
+            fla_dhu,
+            lambda: ref.bwd_dhu(
+                d64["qg"],
+                d64["kg"],
+                d64["w"],
+                d64["gk"],
+                d64["h0"],
+                d64["dht"],
+                d64["do"],
+                d64["dv"],
+                d["scale"],
+            ),
+            ("dh", "dh0", "dv2"),
+        ),
     ):
         try:
             o = poisoned(o_fn, d, stages)
@@ -158,17 +194,19 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, stages=None):
                 g, c = _cmp(lab, o[i], f[i], r[i], nb)
                 ok &= g
                 cells.append(c)
-            det = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(o, o2))
+            det = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(o, o2, strict=True))
             ok &= det
             cells.append("det ok" if det else "det FAIL")
-            print(f"{'PASS' if ok else 'FAIL'} {stage:<4} {name:<36} (ours/fla rel err vs f64) " + " | ".join(cells),
-                  flush=True)
+            print(
+                f"{'PASS' if ok else 'FAIL'} {stage:<4} {name:<36} (ours/fla rel err vs f64) "
+                + " | ".join(cells),
+                flush=True,
+            )
             del o, o2, f, r
         except Exception as e:  # one call must tell everything
             ok = False
             print(f"ERROR {stage} {name}: {type(e).__name__}: {e}", flush=True)
         ok_all &= ok
-    del d, d64
     torch.cuda.empty_cache()
     return ok_all
 
@@ -192,14 +230,17 @@ def median_ms(fn, warmup=3, reps=20):
 def time_shape(B, T, H, HV, V, stages_list, dtype=torch.bfloat16):
     d = make_inputs(B, T, H, HV, V, dtype, h0=False)
     rows = []
-    for stage, o_fn, f_fn in (("b1", ours_b1, fla_b1), ("fwd", ours_fwd, fla_fwd), ("dhu", ours_dhu, fla_dhu)):
+    for stage, o_fn, f_fn in (
+        ("b1", ours_b1, fla_b1),
+        ("fwd", ours_fwd, fla_fwd),
+        ("dhu", ours_dhu, fla_dhu),
+    ):
         try:
-            tf = median_ms(lambda: f_fn(d))
-            ts = {s: median_ms(lambda s=s: o_fn(d, s)) for s in stages_list}
+            tf = median_ms(lambda f_fn=f_fn: f_fn(d))
+            ts = {s: median_ms(lambda s=s, o_fn=o_fn: o_fn(d, s)) for s in stages_list}
             rows.append((f"B{B} T{T} H{H} HV{HV} V{V}", stage, B * HV * (V // 64), tf, ts))
         except Exception as e:
             print(f"ERROR timing {stage} B{B} T{T}: {type(e).__name__}: {e}", flush=True)
-    del d
     torch.cuda.empty_cache()
     return rows
 
@@ -222,11 +263,13 @@ def main():
             ("B1 T64 H16 V256 bf16 (T=64) no h0", 1, 64, 16, 16, 256, torch.bfloat16, False),
             ("B2 T200 H8 HV16 V128 bf16 GVA tail h0", 2, 200, 8, 16, 128, torch.bfloat16, True),
             ("B2 T256 H16 V128 fp16 h0/dht", 2, 256, 16, 16, 128, torch.float16, True),
+        ]
         if not a.quick:
             shapes.append(("B16 T8192 H16 V256 bf16 (ref b0)", 16, 8192, 16, 16, 256, torch.bfloat16, True))
         for name, B, T, H, HV, V, dt, h0 in shapes:
-            ok &= check_shape(name, B, T, H, HV, V, dt, h0, ref_batches=1 if B >= 16 else None,
-                              stages=stages_list[0])
+            ok &= check_shape(
+                name, B, T, H, HV, V, dt, h0, ref_batches=1 if B >= 16 else None, stages=stages_list[0]
+            )
         print("ALL PASS" if ok else "SOME FAIL", flush=True)
     if not a.no_time:
         rows = []

@@ -56,13 +56,18 @@ def test_b1_compiles():
 
 def test_fwd_compiles_gva():
     d = _t()
-    _check(fwd.compile_for(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], None, False, 0.088), "kda_cute_fwd")
+    _check(
+        fwd.compile_for(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], None, False, 0.088),
+        "kda_cute_fwd",
+    )
 
 
 def test_dhu_compiles_fp16():
     d = _t(dtype=torch.float16)
-    _check(dhu.compile_for(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["h0"], d["do"], d["dv"], 0.088),
-           "kda_cute_dhu")
+    _check(
+        dhu.compile_for(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["h0"], d["do"], d["dv"], 0.088),
+        "kda_cute_dhu",
+    )
 
 
 def test_is_supported_needs_cuda_on_cpu():
@@ -85,9 +90,13 @@ def test_static_reasons():
     assert "fp32" in b1.static_reason(d["kg"], d["w"], d["u"], d["gk"].bfloat16())
     nc = d["w"].transpose(1, 2).contiguous().transpose(1, 2)
     assert "contiguous" in b1.static_reason(d["kg"], nc, d["u"], d["gk"])
-    assert "chunk 64" in fwd.static_reason(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"][..., :32].contiguous())
-    assert "HV % H" in dhu.static_reason(d["qg"][:, :, :3].contiguous(), d["kg"], d["w"], d["gk"], None, None,
-                                         d["do"], d["dv"])
+    assert "chunk 64" in fwd.static_reason(
+        d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"][..., :32].contiguous()
+    )
+    assert "HV % H" in dhu.static_reason(
+        d["qg"][:, :, :3].contiguous(), d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"]
+    )
     assert "initial_state" in b1.static_reason(d["kg"], d["w"], d["u"], d["gk"], d["h0"].double())
-    assert "dht" in dhu.static_reason(d["qg"], d["kg"], d["w"], d["gk"], None, d["h0"][:, :2].contiguous(),
-                                      d["do"], d["dv"])
+    assert "dht" in dhu.static_reason(
+        d["qg"], d["kg"], d["w"], d["gk"], None, d["h0"][:, :2].contiguous(), d["do"], d["dv"]
+    )

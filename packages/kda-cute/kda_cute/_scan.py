@@ -46,7 +46,13 @@ _MN = warpgroup.OperandMajorMode.MN
 def make_mma(dtype, a_k_major: bool, b_k_major: bool):
     """One-warpgroup wgmma, 64 x 64 x 16 atom, fp32 accumulate."""
     return sm90_utils.make_trivial_tiled_mma(
-        dtype, dtype, _K if a_k_major else _MN, _K if b_k_major else _MN, cutlass.Float32, (1, 1, 1), tiler_mn=(64, 64)
+        dtype,
+        dtype,
+        _K if a_k_major else _MN,
+        _K if b_k_major else _MN,
+        cutlass.Float32,
+        (1, 1, 1),
+        tiler_mn=(64, 64),
     )
 
 
@@ -94,11 +100,15 @@ def fp32_state_view(t: cute.Tensor) -> cute.Tensor:
 
 
 def tma_load(view: cute.Tensor, layout_staged, tile):
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, one_stage(layout_staged), tile)
+    return cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), view, one_stage(layout_staged), tile
+    )
 
 
 def tma_store(view: cute.Tensor, layout_staged, tile):
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), view, one_stage(layout_staged), tile)
+    return cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileS2GOp(), view, one_stage(layout_staged), tile
+    )
 
 
 def tile_bytes(dtype, layout_staged) -> int:
@@ -119,7 +129,9 @@ def transposed(t: cute.Tensor) -> cute.Tensor:
 
 def tma_part(atom, s_tensor, g_tiles):
     """TMA partition: smem (r, c[, stages]) and gmem (r, c, n) -> ((vals)[, stages]), ((vals), n)."""
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_tensor, 0, 2), cute.group_modes(g_tiles, 0, 2))
+    return cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(s_tensor, 0, 2), cute.group_modes(g_tiles, 0, 2)
+    )
 
 
 def gemm(tiled_mma, acc, tA, tB, stage_a, stage_b, accumulate: bool):

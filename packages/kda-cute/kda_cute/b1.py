@@ -21,12 +21,11 @@ Measured numbers and alternatives: see the bottom of this docstring (filled from
 and bench/results/scans_*.md.
 """
 
-
 import torch
 
+from . import _scan as S
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from . import _scan as S
 
 STAGES = 2
 GRID_FLOOR = 0  # CTAs (B * HV * V/64) below which fla is preferred; set from measurement
@@ -72,7 +71,6 @@ class _B1:
         self.storage = Storage
 
     def compile_fn(self):
-        import cutlass
         import cutlass.cute as cute
 
         this = self
@@ -92,8 +90,21 @@ class _B1:
             mma_kv = S.mma_kv(this.dtype)
             B = cute.size(u, mode=[0])
             this.kda_cute_b1(
-                atom_w, tma_w, atom_kg, tma_kg, atom_u, tma_u, atom_h, tma_h, atom_v, tma_v,
-                S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht), mma_tt, mma_kv,
+                atom_w,
+                tma_w,
+                atom_kg,
+                tma_kg,
+                atom_u,
+                tma_u,
+                atom_h,
+                tma_h,
+                atom_v,
+                tma_v,
+                S.col_view(gk),
+                S.fp32_state_view(h0),
+                S.fp32_state_view(ht),
+                mma_tt,
+                mma_kv,
             ).launch(grid=(this.V // S.BV, this.HV, B), block=[S.THREADS, 1, 1], stream=stream)
 
         return run
@@ -110,8 +121,22 @@ def _b1_kernel(cfg):
     class K:
         @cute.kernel
         def kda_cute_b1(
-            self, atom_w, tma_w, atom_kg, tma_kg, atom_u, tma_u, atom_h, tma_h, atom_v, tma_v,
-            mGk, mH0, mHt, mma_tt: cute.TiledMma, mma_kv: cute.TiledMma,
+            self,
+            atom_w,
+            tma_w,
+            atom_kg,
+            tma_kg,
+            atom_u,
+            tma_u,
+            atom_h,
+            tma_h,
+            atom_v,
+            tma_v,
+            mGk,
+            mH0,
+            mHt,
+            mma_tt: cute.TiledMma,
+            mma_kv: cute.TiledMma,
         ):
             nst = cfg.stages
             cfg._layouts()
@@ -252,8 +277,16 @@ def static_reason(kg, w, u, gk, initial_state=None) -> str | None:
 
 
 def _compile_key(kg, u, initial_state, output_final_state, stages):
-    return (_DT[u.dtype], u.shape[-1], u.shape[2], u.shape[2] // kg.shape[2], initial_state is not None,
-            bool(output_final_state), stages, compile_arch())
+    return (
+        _DT[u.dtype],
+        u.shape[-1],
+        u.shape[2],
+        u.shape[2] // kg.shape[2],
+        initial_state is not None,
+        bool(output_final_state),
+        stages,
+        compile_arch(),
+    )
 
 
 def _plan(kg, w, u, gk, initial_state, output_final_state, stages):
@@ -268,10 +301,25 @@ def _plan(kg, w, u, gk, initial_state, output_final_state, stages):
     key = _compile_key(kg, u, initial_state, output_final_state, stages)
     h0 = initial_state if initial_state is not None else dummy
     args = (kg, w, u, gk, h0, h, v_new, ht if ht is not None else dummy)
-    dyn = ((0, 1), (0, 1), (0, 1), (0, 1), (0,) if initial_state is not None else (),
-           (0, 1), (0, 1), (0,) if ht is not None else ())
-    cfg = _B1(_cutlass_dtype(u.dtype), V, HV, HV // kg.shape[2], initial_state is not None,
-              bool(output_final_state), stages)
+    dyn = (
+        (0, 1),
+        (0, 1),
+        (0, 1),
+        (0, 1),
+        (0,) if initial_state is not None else (),
+        (0, 1),
+        (0, 1),
+        (0,) if ht is not None else (),
+    )
+    cfg = _B1(
+        _cutlass_dtype(u.dtype),
+        V,
+        HV,
+        HV // kg.shape[2],
+        initial_state is not None,
+        bool(output_final_state),
+        stages,
+    )
     return (h, v_new, ht), key, args, dyn, cfg
 
 

@@ -21,9 +21,9 @@ that is the B operand of `w^T @ dv2`.
 
 import torch
 
+from . import _scan as S
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from . import _scan as S
 from .b1 import _DT, _cutlass_dtype, _dummy
 
 STAGES = 2
@@ -48,7 +48,9 @@ class _Dhu:
         self.l_dv = S.smem_layout(dt, S.BV, S.BT, False, st)  # dv (v, t)
         self.l_h = S.smem_layout(dt, S.BV, S.KD, False, 1)
         self.l_v = S.smem_layout(dt, S.BV, S.BT, False, 1)
-        self.tx_bytes = sum(S.tile_bytes(dt, l) for l in (self.l_kg, self.l_q, self.l_w, self.l_do, self.l_dv))
+        self.tx_bytes = sum(
+            S.tile_bytes(dt, l) for l in (self.l_kg, self.l_q, self.l_w, self.l_do, self.l_dv)
+        )
         if not with_struct:
             return
 
@@ -83,9 +85,25 @@ class _Dhu:
             atom_v, tma_v = S.tma_store(S.col_view(dv2), this.l_v, (S.BV, S.BT))
             B = cute.size(do, mode=[0])
             this.kda_cute_dhu(
-                atom_kg, tma_kg, atom_q, tma_q, atom_w, tma_w, atom_do, tma_do, atom_dv, tma_dv,
-                atom_h, tma_h, atom_v, tma_v, S.col_view(gk), S.fp32_state_view(dht), S.fp32_state_view(dh0),
-                S.mma_tt(this.dtype), S.mma_kv(this.dtype),
+                atom_kg,
+                tma_kg,
+                atom_q,
+                tma_q,
+                atom_w,
+                tma_w,
+                atom_do,
+                tma_do,
+                atom_dv,
+                tma_dv,
+                atom_h,
+                tma_h,
+                atom_v,
+                tma_v,
+                S.col_view(gk),
+                S.fp32_state_view(dht),
+                S.fp32_state_view(dh0),
+                S.mma_tt(this.dtype),
+                S.mma_kv(this.dtype),
             ).launch(grid=(this.V // S.BV, this.HV, B), block=[S.THREADS, 1, 1], stream=stream)
 
         return run
@@ -102,8 +120,26 @@ def _dhu_kernel(cfg):
     class K:
         @cute.kernel
         def kda_cute_dhu(
-            self, atom_kg, tma_kg, atom_q, tma_q, atom_w, tma_w, atom_do, tma_do, atom_dv, tma_dv,
-            atom_h, tma_h, atom_v, tma_v, mGk, mDht, mDh0, mma_tt: cute.TiledMma, mma_kv: cute.TiledMma,
+            self,
+            atom_kg,
+            tma_kg,
+            atom_q,
+            tma_q,
+            atom_w,
+            tma_w,
+            atom_do,
+            tma_do,
+            atom_dv,
+            tma_dv,
+            atom_h,
+            tma_h,
+            atom_v,
+            tma_v,
+            mGk,
+            mDht,
+            mDh0,
+            mma_tt: cute.TiledMma,
+            mma_kv: cute.TiledMma,
         ):
             nst = cfg.stages
             cfg._layouts()
@@ -134,8 +170,13 @@ def _dhu_kernel(cfg):
             tHs, tHg = S.tma_part(atom_h, sH, cute.local_tile(tma_h, (S.BV, S.KD), (vt, 0, hv, None, b)))
             tVs, tVg = S.tma_part(atom_v, sV, cute.local_tile(tma_v, (S.BV, S.BT), (vt, None, hv, b)))
 
-            loads = [(atom_kg, tKg, tKs), (atom_q, tQg, tQs), (atom_w, tWg, tWs), (atom_do, tDog, tDos),
-                     (atom_dv, tDvg, tDvs)]
+            loads = [
+                (atom_kg, tKg, tKs),
+                (atom_q, tQg, tQs),
+                (atom_w, tWg, tWs),
+                (atom_do, tDog, tDos),
+                (atom_dv, tDvg, tDvs),
+            ]
             S.prologue(mbar, nst, cfg.tx_bytes, loads, NT - 1, -1, NT, tid)
 
             thr_tt = mma_tt.get_slice(tid)
@@ -230,7 +271,11 @@ def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
         return f"V={V} (V % 64 != 0)"
     if T < 1:
         return "T=0"
-    if tuple(dv.shape) != (B, T, HV, V) or tuple(w.shape) != (B, T, HV, K) or tuple(gk.shape) != (B, T, HV, K):
+    if (
+        tuple(dv.shape) != (B, T, HV, V)
+        or tuple(w.shape) != (B, T, HV, K)
+        or tuple(gk.shape) != (B, T, HV, K)
+    ):
         return "dv / w / gk shapes do not match do"
     for name, t in (("qg", qg), ("kg", kg)):
         if t.shape[0] != B or t.shape[1] != T or t.shape[3] != K or HV % t.shape[2]:
@@ -252,20 +297,56 @@ def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages):
     B, T, HV, V = do.shape
     K = w.shape[-1]
     if scale is None:
-        scale = K ** -0.5
+        scale = K**-0.5
     NT = (T + S.BT - 1) // S.BT
     dev = do.device
     dh = alloc((B, NT, HV, K, V), qg.dtype, dev)
     dh0 = alloc((B, HV, K, V), torch.float32, dev) if h0 is not None else None
     dv2 = alloc(dv.shape, dv.dtype, dev)
     dummy = _dummy(dev)
-    key = (_DT[do.dtype], V, HV, HV // qg.shape[2], HV // kg.shape[2], dh0 is not None, dht is not None,
-           float(scale), stages, compile_arch())
-    args = (qg, kg, w, gk, dht if dht is not None else dummy, do, dv, dh, dh0 if dh0 is not None else dummy, dv2)
-    dyn = ((0, 1),) * 4 + ((0,) if dht is not None else (), (0, 1), (0, 1), (0, 1), (0,) if dh0 is not None else (),
-                           (0, 1))
-    cfg = _Dhu(_cutlass_dtype(do.dtype), V, HV, HV // qg.shape[2], HV // kg.shape[2], dh0 is not None,
-               dht is not None, float(scale), stages)
+    key = (
+        _DT[do.dtype],
+        V,
+        HV,
+        HV // qg.shape[2],
+        HV // kg.shape[2],
+        dh0 is not None,
+        dht is not None,
+        float(scale),
+        stages,
+        compile_arch(),
+    )
+    args = (
+        qg,
+        kg,
+        w,
+        gk,
+        dht if dht is not None else dummy,
+        do,
+        dv,
+        dh,
+        dh0 if dh0 is not None else dummy,
+        dv2,
+    )
+    dyn = ((0, 1),) * 4 + (
+        (0,) if dht is not None else (),
+        (0, 1),
+        (0, 1),
+        (0, 1),
+        (0,) if dh0 is not None else (),
+        (0, 1),
+    )
+    cfg = _Dhu(
+        _cutlass_dtype(do.dtype),
+        V,
+        HV,
+        HV // qg.shape[2],
+        HV // kg.shape[2],
+        dh0 is not None,
+        dht is not None,
+        float(scale),
+        stages,
+    )
     return (dh, dh0, dv2), key, args, dyn, cfg
 
 

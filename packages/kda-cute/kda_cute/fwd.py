@@ -20,9 +20,9 @@ o is staged in smem and leaves by TMA store. No per-chunk state leaves the CTA.
 
 import torch
 
+from . import _scan as S
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from . import _scan as S
 from .b1 import _DT, _cutlass_dtype, _dummy
 
 STAGES = 2
@@ -83,9 +83,24 @@ class _Fwd:
             atom_o, tma_o = S.tma_store(S.col_view(o), this.l_o, (S.BV, S.BT))
             B = cute.size(u, mode=[0])
             this.kda_cute_fwd(
-                atom_w, tma_w, atom_q, tma_q, atom_kg, tma_kg, atom_u, tma_u, atom_a, tma_a, atom_o, tma_o,
-                S.row_view(gk), S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht),
-                S.mma_tt(this.dtype), S.mma_kv(this.dtype),
+                atom_w,
+                tma_w,
+                atom_q,
+                tma_q,
+                atom_kg,
+                tma_kg,
+                atom_u,
+                tma_u,
+                atom_a,
+                tma_a,
+                atom_o,
+                tma_o,
+                S.row_view(gk),
+                S.col_view(gk),
+                S.fp32_state_view(h0),
+                S.fp32_state_view(ht),
+                S.mma_tt(this.dtype),
+                S.mma_kv(this.dtype),
             ).launch(grid=(this.V // S.BV, this.HV, B), block=[S.THREADS, 1, 1], stream=stream)
 
         return run
@@ -102,8 +117,25 @@ def _fwd_kernel(cfg):
     class K:
         @cute.kernel
         def kda_cute_fwd(
-            self, atom_w, tma_w, atom_q, tma_q, atom_kg, tma_kg, atom_u, tma_u, atom_a, tma_a, atom_o, tma_o,
-            mGr, mGc, mH0, mHt, mma_tt: cute.TiledMma, mma_kv: cute.TiledMma,
+            self,
+            atom_w,
+            tma_w,
+            atom_q,
+            tma_q,
+            atom_kg,
+            tma_kg,
+            atom_u,
+            tma_u,
+            atom_a,
+            tma_a,
+            atom_o,
+            tma_o,
+            mGr,
+            mGc,
+            mH0,
+            mHt,
+            mma_tt: cute.TiledMma,
+            mma_kv: cute.TiledMma,
         ):
             nst = cfg.stages
             cfg._layouts()
@@ -134,8 +166,13 @@ def _fwd_kernel(cfg):
             tAs, tAg = S.tma_part(atom_a, sA, cute.local_tile(tma_a, (S.BT, S.BT), (None, 0, hv, b)))
             tOs, tOg = S.tma_part(atom_o, sO, cute.local_tile(tma_o, (S.BV, S.BT), (vt, None, hv, b)))
 
-            loads = [(atom_w, tWg, tWs), (atom_q, tQg, tQs), (atom_kg, tKg, tKs), (atom_u, tUg, tUs),
-                     (atom_a, tAg, tAs)]
+            loads = [
+                (atom_w, tWg, tWs),
+                (atom_q, tQg, tQs),
+                (atom_kg, tKg, tKs),
+                (atom_u, tUg, tUs),
+                (atom_a, tAg, tAs),
+            ]
             S.prologue(mbar, nst, cfg.tx_bytes, loads, 0, 1, NT, tid)
 
             thr_tt = mma_tt.get_slice(tid)
@@ -208,7 +245,9 @@ def _fwd_kernel(cfg):
 
 
 # ------------------------------------------------------------------------------------ host side
-def is_supported(q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None) -> str | None:
+def is_supported(
+    q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None
+) -> str | None:
     r = device_reason(u)
     if r:
         return r
@@ -240,29 +279,51 @@ def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages
     B, T, HV, V = u.shape
     K = kg.shape[-1]
     if scale is None:
-        scale = K ** -0.5
+        scale = K**-0.5
     dev = u.device
     o = alloc(u.shape, u.dtype, dev)
     ht = alloc((B, HV, K, V), torch.float32, dev) if output_final_state else None
     dummy = _dummy(dev)
-    key = (_DT[u.dtype], V, HV, HV // q.shape[2], HV // kg.shape[2], initial_state is not None,
-           bool(output_final_state), float(scale), stages, compile_arch())
+    key = (
+        _DT[u.dtype],
+        V,
+        HV,
+        HV // q.shape[2],
+        HV // kg.shape[2],
+        initial_state is not None,
+        bool(output_final_state),
+        float(scale),
+        stages,
+        compile_arch(),
+    )
     h0 = initial_state if initial_state is not None else dummy
     args = (q, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy)
     dyn = ((0, 1),) * 6 + ((0,) if initial_state is not None else (), (0, 1), (0,) if ht is not None else ())
-    cfg = _Fwd(_cutlass_dtype(u.dtype), V, HV, HV // q.shape[2], HV // kg.shape[2], initial_state is not None,
-               bool(output_final_state), float(scale), stages)
+    cfg = _Fwd(
+        _cutlass_dtype(u.dtype),
+        V,
+        HV,
+        HV // q.shape[2],
+        HV // kg.shape[2],
+        initial_state is not None,
+        bool(output_final_state),
+        float(scale),
+        stages,
+    )
     return (o, ht), key, args, dyn, cfg
 
 
-def compile_for(q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *,
-                stages: int = STAGES):
+def compile_for(
+    q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages: int = STAGES
+):
     """Compile without launching (CPU tests); returns the compiled object."""
     _, _, args, dyn, cfg = _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages)
     return S.compile_only(cfg, args, dyn)
 
 
-def fwd_scan(q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages: int = STAGES):
+def fwd_scan(
+    q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages: int = STAGES
+):
     """fwd_h + fwd_o fused -> (o, ht)."""
     outs, key, args, dyn, cfg = _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages)
 
