@@ -229,6 +229,16 @@ def _build_kernel_class():
             d = tidx % K
             wig = (tidx % K) // 32  # warp within the group
             lane = tidx % 32
+            # this thread's column d of each [B, T, HV, K] tensor in this chunk: one pointer per
+            # tensor, rows at a static stride (HV * K), so every per-row access is an immediate
+            # offset from it (no per-access 64-bit index arithmetic)
+            colv = cute.make_layout(BT, stride=cute.size(mG, mode=[2]) * K)
+            cDqi = cute.make_tensor(mDqi[b, row0, hv, None].iterator + d, colv)
+            cDki = cute.make_tensor(mDki[b, row0, hv, None].iterator + d, colv)
+            cDgi = cute.make_tensor(mDgi[b, row0, hv, None].iterator + d, colv)
+            cDq = cute.make_tensor(mDq[b, row0, hv, None].iterator + d, colv)
+            cDk = cute.make_tensor(mDk[b, row0, hv, None].iterator + d, colv)
+            cDg = cute.make_tensor(mDg[b, row0, hv, None].iterator + d, colv)
 
             accq = cute.make_rmem_tensor(cute.make_layout(BC), f32)
             acck = cute.make_rmem_tensor(cute.make_layout(BC), f32)
@@ -251,8 +261,8 @@ def _build_kernel_class():
                 # their latency hides under the cross sums (later rows: PF rows ahead)
                 pf = {}
                 for j in cutlass.range_constexpr(min(self.pf, BC)):
-                    gp = row0 + r0 + BC - 1 - j
-                    pf[BC - 1 - j] = (mDqi[b, gp, hv, d], mDki[b, gp, hv, d], mDgi[b, gp, hv, d])
+                    gp = r0 + BC - 1 - j
+                    pf[BC - 1 - j] = (cDqi[gp], cDki[gp], cDgi[gp])
 
                 # -- cross row side: sources s < r0, anchored at the block's first row
                 ga = gs[0]
@@ -291,8 +301,8 @@ def _build_kernel_class():
                     r = BC - 1 - rd
                     row = r0 + r
                     if cutlass.const_expr(self.pf > 0 and r - self.pf >= 0):
-                        gp = row0 + row - self.pf
-                        pf[r - self.pf] = (mDqi[b, gp, hv, d], mDki[b, gp, hv, d], mDgi[b, gp, hv, d])
+                        gp = row - self.pf
+                        pf[r - self.pf] = (cDqi[gp], cDki[gp], cDgi[gp])
                     qr = f32(sQ[row, d])
                     br = sBeta[row]
                     kbr = br * ks[r]
@@ -317,23 +327,22 @@ def _build_kernel_class():
                                     a_k = a_k + ak[j] * t
                                     dkt[s] = dkt[s] + (aq[j] * qr + ak[j] * kbr) * e
                     # row r's outputs
-                    grow = row0 + row
                     if cutlass.const_expr(self.pf > 0):
                         dqi, dki, dgi = pf.pop(r)
                     else:
-                        dqi, dki, dgi = mDqi[b, grow, hv, d], mDki[b, grow, hv, d], mDgi[b, grow, hv, d]
+                        dqi, dki, dgi = cDqi[row], cDki[row], cDgi[row]
                     dq_o = a_q + dqi
                     dk2 = a_k * br
                     dkt_r = dkt[r]
                     dk_o = dk2 + dkt_r + dki
                     dg_o = qr * a_q + (dk2 - dkt_r) * ks[r] + dgi
-                    mDq[b, grow, hv, d] = dq_o.to(out_qk)
-                    mDk[b, grow, hv, d] = dk_o.to(out_qk)
+                    cDq[row] = dq_o.to(out_qk)
+                    cDk[row] = dk_o.to(out_qk)
                     if cutlass.const_expr(self.fold_dg):
                         run = run + dg_o
                         dgl[bi * BC + r] = run
                     else:
-                        mDg[b, grow, hv, d] = dg_o
+                        cDg[row] = dg_o
                     v = a_k * ks[r]
                     v = v + cute.arch.shuffle_sync_bfly(v, offset=16)
                     v = v + cute.arch.shuffle_sync_bfly(v, offset=8)
@@ -353,7 +362,7 @@ def _build_kernel_class():
                 for bi in cutlass.range_constexpr(self.bpg):
                     blk = grp * self.bpg + (self.bpg - 1 - bi)
                     for r in cutlass.range_constexpr(BC):
-                        mDg[b, row0 + blk * BC + r, hv, d] = dgl[bi * BC + r] + add
+                        cDg[blk * BC + r] = dgl[bi * BC + r] + add
             if tidx < BT:
                 tot = mDbi[b, row0 + tidx, hv]
                 for w in cutlass.range_constexpr(self.wpg):
@@ -438,7 +447,8 @@ _TUNE = {"pf": 2, "maxreg": 128, "xu": 1}
 
 
 def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
-    return (q.dtype, beta.dtype, K, HV // H, bool(fold_dg), bool(emit_bf16), compile_arch(),
+    # H and HV are static extents of the views (row strides become immediates); B, T dynamic
+    return (q.dtype, beta.dtype, K, H, HV, bool(fold_dg), bool(emit_bf16), compile_arch(),
             tuple(sorted(_TUNE.items())))
 
 
@@ -452,7 +462,7 @@ def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_
     HV = gk.shape[2]
     outs = _outputs(q, gk, beta, emit_bf16, device=q.device)
     args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, *outs)
-    views = [cute_view(t, (0, 1, 2)) for t in args]
+    views = [cute_view(t, (0, 1)) for t in args]
     return _build(views, cuda.CUstream(0), q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx)
 
 
@@ -494,7 +504,7 @@ def bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf
     _cache.launch(
         key,
         args,
-        ((0, 1, 2),) * len(args),
+        ((0, 1),) * len(args),
         lambda views, stream: _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16),
     )
     dq_o, dk_o, db_o, dg_o = outs
