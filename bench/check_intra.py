@@ -215,6 +215,8 @@ def main():
             intra._TUNE.clear()
             intra._TUNE.update(base)
     intra._MIN_CTAS = saved_gate
+    gate = saved_gate if saved_gate is not None else 2 * intra.sm_count(torch.cuda.current_device())
+    print(f"grid gate: is_supported refuses grids under {gate} CTAs (fla runs those)", flush=True)
     if rows:
         print()
         print("| shape | CTAs | fla intra ms | fla dg cumsum ms | ours fold_dg ms | ours ms "

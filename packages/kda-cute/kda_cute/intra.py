@@ -53,9 +53,11 @@ NBLK = BT // BC
 THREADS = 256
 SUPPORTED_K = (64, 128)
 
-# Below this many CTAs (chunks x heads x batch) fla's kernel is as fast or faster: the grid
-# does not fill the GPU for long enough. Set from bench/check_intra.py's measurements.
-_MIN_CTAS = 0
+# Grid gate: below this many CTAs (chunks x heads x batch) the grid does not fill the GPU once
+# (two CTAs per SM), and fla's 16x finer grid is the better bet. None = one full wave on this
+# device (2 x SM count, 264 on the H200). NOT yet measured on the H200: bench/check_intra.py
+# times B1/B2/B4 T4096 H16 (1024/2048/4096 CTAs) for that; tests set 0 to run every size.
+_MIN_CTAS = None
 
 _cache = CallCache("intra")
 
@@ -437,8 +439,11 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
     B, T, H, K = q.shape
     HV = gk.shape[2]
     ctas = B * (T // BT) * HV
-    if ctas < _MIN_CTAS:
-        return f"grid of {ctas} CTAs < {_MIN_CTAS}: too small to fill the GPU (fla is faster)"
+    gate = _MIN_CTAS
+    if gate is None:
+        gate = 2 * sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if ctas < gate:
+        return f"grid of {ctas} CTAs < {gate}: too small to fill the GPU (fla is faster)"
     return None
 
 
