@@ -45,7 +45,7 @@ Measured (H200, see bench/results/intra_*.md): filled in from bench/check_intra.
 import torch
 
 from ._common.cache import CallCache, alloc
-from ._common.support import compile_arch, device_reason
+from ._common.support import compile_arch, device_reason, sm_count
 
 BT = 64  # chunk
 BC = 16  # diagonal block
