@@ -28,16 +28,45 @@ Per block i, per column, all in registers:
     at once and its outputs leave immediately (no staging of dq/dk/dg), and the same descending
     walk is the running suffix sum that fold_dg needs.
 The cross sums are fp32 FMAs (fla computes them in tf32 tl.dot; fp32 is the more exact side).
-db's sum over d is a warp butterfly per row plus a 64 x (K/32) smem partial table.
+The boundary factors need no exp2 of their own: exp2(g_r - g_b) and exp2(g_e - g_s) are the
+diagonal's first-column / last-row factors, and the compiler shares them (250 MUFU.EX2 per
+thread, not 310). db's sum over d is a warp butterfly per row plus a 64 x (K/32) smem table.
 
 Layouts. Everything of the chunk that more than one thread reads is staged once in smem in its
-gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk in fp32, beta in fp32
-(~96 KB at K=128, two CTAs per SM). Threads of a warp own consecutive d, so every per-column
-smem read is a conflict-free 128 B (fp32) / 64 B (bf16) row segment, and every dA read is a
-warp-uniform broadcast, vectorized 4 wide along s (LDS.128). The incoming dq/dk/dg are read
-and the outputs written straight from registers, coalesced 128 B per warp per row.
+gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk and beta in fp32
+(~97 KB at K=128: two CTAs, 16 warps per SM, 128 registers each). Threads of a warp own
+consecutive d, so every per-column smem read is a conflict-free 128 B (fp32) / 64 B (bf16) row
+segment, and every dA read is a warp-uniform broadcast, 4 wide along s (LDS.128). The staging
+loads are 16-byte vectors, all 24 per thread issued before the first store. The incoming
+dq/dk/dg are read and the outputs written straight from registers (coalesced 128 B per warp per
+row) through one per-thread column pointer per tensor: H and HV are compile-time (B and T are
+dynamic), so the row stride is an immediate and a row access costs no index arithmetic. That
+took the per-thread instruction count from ~13.2k to ~9.2k SASS lines' worth (IMAD 959 -> 152).
+The incoming grads of the first rows the diagonal walk finalizes are loaded before the cross
+sums (and later rows `pf` rows ahead), so their latency hides under the FMAs.
 
-Measured (H200, see bench/results/intra_*.md): filled in from bench/check_intra.py.
+Cost model (static, SASS of the K=128 fold_dg build, ptxas 13.0 for sm_90a: 128 registers,
+~100 B spill, all of it outside the FMA loops): per thread ~310 instructions of staging, per
+block ~1.75k of diagonal + epilogue, and the cross loops (row side 190 instructions per 4
+source rows = 128 FFMA; column side 58 per target row = 32 FFMA): ~9.3k instructions per thread
+in group 0, ~8.6k in group 1, ~72k warp-instructions per CTA. At the reference shape
+(32768 CTAs, 248 per SM on 132 SMs) that is ~4.4M issue cycles per SM: ~2.3 ms at 1.98 GHz if
+issue-bound at 4 IPC, against a ~2.4 ms memory floor (9.4 GB moved at 4 TB/s). Expect ~3 ms.
+
+Measured: NOT YET. This session's share of the shared H200 pool was spent by other stages
+before this kernel's turn (see bench/results/intra_2026-11-30.md); `python
+bench/check_intra.py` checks and times it in one call.
+
+Alternatives considered. (1) tf32 mma.sync (`MmaTF32Op`, m16n8k8) for the cross sums, as the
+seed's tcgen05 GEMMs: it would remove ~45% of the issued instructions (the cross FFMAs), but its
+C fragment (2 rows x 2 columns per lane) does not match the column-per-thread ownership, so the
+results must round-trip through ~72 KB of smem staging (one CTA per SM) - left for a measured
+follow-up. (2) bf16 wgmma: cannot carry k exp2(..) in bf16 within 2x of fla's tf32 error.
+(3) A mid-block anchor for the diagonal (fla's safe_gate form, one GEMM per block): positive
+exponents, overflow with strong gates; rejected by the numerics rule. (4) The seed's
+(32 d-groups x 16 row-lanes) thread map: each row is a warp, so db is one butterfly, but the
+diagonal triangle then needs a row-dependent trip count and every row of q/k/g is re-read per
+lane group; the column map keeps a column's 16 g/k values in registers for the whole block.
 """
 
 
