@@ -30,17 +30,17 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 for s in $steps; do
   case $s in
     witness)
-      step witness 240 python -m kda_witness --reps 5 --trace "$OUT/trace.json"
+      step witness 150 python -m kda_witness --reps 5
       python -m kda_witness --require-cute --reps 1 --B 2 --T 1024 >>"$LOG" 2>&1
       echo "=== witness --require-cute (B2 T1024) rc=$?" | tee -a "$LOG"
-      rm -f "$OUT/trace.json" ;;  # large; rerun with --trace locally when needed
+      ;;
     kernels)
       [ -f bench/check_intra.py ] && step check_intra 200 python bench/check_intra.py
       [ -f bench/check_scans.py ] && step check_scans 200 python bench/check_scans.py ;;
     tests)
-      step gpu_tests 300 python -m pytest -p no:cacheprovider -q -x --durations=15 tests/gpu ;;
+      step gpu_tests ${TESTS_LIMIT:-300} python -m pytest -p no:cacheprovider -v --durations=15 tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
     bench)
-      step bench 300 python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
+      step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
   esac
 done
