@@ -8,7 +8,7 @@ must come back finite; two runs must be bitwise identical. Inputs are realistic:
 Timing: CUDA events per call, warm, median: ours vs fla's fwd_h, fwd_h + fwd_o, bwd_dhu at
 B16 T8192 H16 K128 V256 and a small shape. The table is printed last.
 
-    python bench/check_scans.py [--quick] [--no-time] [--no-check] [--stages 1,2]
+    python bench/check_scans.py [--quick] [--no-time] [--no-check] [--no-wg2]
 """
 
 import argparse
@@ -69,8 +69,8 @@ def make_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0
 
 
 # ------------------------------------------------------------------------------------- the calls
-def ours_b1(d, stages=None):
-    kw = {} if stages is None else {"stages": stages}
+def ours_b1(d, var=None):
+    kw = {} if var is None else {"stages": var[0], "warpgroups": var[1]}
     return b1.fwd_h(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True, **kw)
 
 
@@ -82,8 +82,8 @@ def fla_b1(d):
     )
 
 
-def ours_fwd(d, stages=None):
-    kw = {} if stages is None else {"stages": stages}
+def ours_fwd(d, var=None):
+    kw = {} if var is None else {"stages": var[0], "warpgroups": var[1]}
     return fwd.fwd_scan(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], d["h0"], True, d["scale"], **kw)
 
 
@@ -95,8 +95,8 @@ def fla_fwd(d):
     return o, ht
 
 
-def ours_dhu(d, stages=None):
-    kw = {} if stages is None else {"stages": stages}
+def ours_dhu(d, var=None):
+    kw = {} if var is None else {"stages": var[0], "warpgroups": var[1]}
     return dhu.bwd_dhu(
         d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], d["dv"], d["scale"], **kw
     )
@@ -138,7 +138,7 @@ def _cmp(label, ours_t, fla_t, ref_t, nb):
     return good, f"{label} {eo:.2e}/{ef:.2e}{'' if good else ' FAIL'}"
 
 
-def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, stages=None):
+def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None):
     d = make_inputs(B, T, H, HV, V, dtype, h0=h0)
     nb = B if ref_batches is None else ref_batches
     d64 = _sub(d, nb)
@@ -179,8 +179,8 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, stages=None):
         ),
     ):
         try:
-            o = poisoned(o_fn, d, stages)
-            o2 = o_fn(d, stages)
+            o = poisoned(o_fn, d, var)
+            o2 = o_fn(d, var)
             f = f_fn(d)
             torch.cuda.synchronize()
             r = r_fn()
@@ -197,8 +197,9 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, stages=None):
             det = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(o, o2, strict=True))
             ok &= det
             cells.append("det ok" if det else "det FAIL")
+            vs = "" if var is None else f" S{var[0]}xWG{var[1]}"
             print(
-                f"{'PASS' if ok else 'FAIL'} {stage:<4} {name:<36} (ours/fla rel err vs f64) "
+                f"{'PASS' if ok else 'FAIL'} {stage:<4}{vs} {name:<36} (ours/fla rel err vs f64) "
                 + " | ".join(cells),
                 flush=True,
             )
@@ -227,7 +228,8 @@ def median_ms(fn, warmup=3, reps=20):
     return ts[len(ts) // 2]
 
 
-def time_shape(B, T, H, HV, V, stages_list, dtype=torch.bfloat16):
+def time_shape(B, T, H, HV, V, variants, dtype=torch.bfloat16):
+    """Median ms of fla and of each variant (stages, warpgroups) of ours; rows printed as they come."""
     d = make_inputs(B, T, H, HV, V, dtype, h0=False)
     rows = []
     for stage, o_fn, f_fn in (
@@ -237,52 +239,75 @@ def time_shape(B, T, H, HV, V, stages_list, dtype=torch.bfloat16):
     ):
         try:
             tf = median_ms(lambda f_fn=f_fn: f_fn(d))
-            ts = {s: median_ms(lambda s=s, o_fn=o_fn: o_fn(d, s)) for s in stages_list}
-            rows.append((f"B{B} T{T} H{H} HV{HV} V{V}", stage, B * HV * (V // 64), tf, ts))
+            ts = {v: median_ms(lambda v=v, o_fn=o_fn: o_fn(d, v)) for v in variants}
+            row = (f"B{B} T{T} H{H} HV{HV} V{V}", stage, B * HV * (V // 64), tf, ts)
+            rows.append(row)
+            print("timing", row, flush=True)
         except Exception as e:
             print(f"ERROR timing {stage} B{B} T{T}: {type(e).__name__}: {e}", flush=True)
     torch.cuda.empty_cache()
     return rows
 
 
+def print_table(rows, variants):
+    print()
+    hdr = " | ".join(f"ours S{v[0]}xWG{v[1]} ms" for v in variants)
+    print(f"| shape | stage | CTAs(64-wide V tiles) | fla ms | {hdr} | fla / best ours |")
+    print("|---|---|---|---|" + "---|" * len(variants) + "---|")
+    for shape, stage, ctas, tf, ts in rows:
+        best = min(ts.values())
+        cells = " | ".join(f"{ts[v]:.3f}" for v in variants)
+        print(f"| {shape} | {stage} | {ctas} | {tf:.3f} | {cells} | {tf / best:.2f}x |", flush=True)
+
+
+SHAPES = [
+    ("B2 T256 H16 V128 bf16 h0/dht", 2, 256, 16, 16, 128, torch.bfloat16, True),
+    ("B1 T64 H16 V256 bf16 (T=64) no h0", 1, 64, 16, 16, 256, torch.bfloat16, False),
+    ("B2 T200 H8 HV16 V128 bf16 GVA tail h0", 2, 200, 8, 16, 128, torch.bfloat16, True),
+    ("B2 T256 H16 V128 fp16 h0/dht", 2, 256, 16, 16, 128, torch.float16, True),
+]
+REF = ("B16 T8192 H16 V256 bf16 (ref b0)", 16, 8192, 16, 16, 256, torch.bfloat16, True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--quick", action="store_true", help="no reference-shape correctness, no 2-warpgroup phase"
+    )
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--stages", default="2,1")
+    ap.add_argument("--no-wg2", action="store_true", help="skip the 2-warpgroup variants")
     a = ap.parse_args()
-    stages_list = [int(s) for s in a.stages.split(",")]
     for m in MODS:
         m.GRID_FLOOR = 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     ok = True
+    # phase 1: the default variants (one warpgroup per CTA): correctness, then timing
     if not a.no_check:
-        shapes = [
-            ("B2 T256 H16 V128 bf16 h0/dht", 2, 256, 16, 16, 128, torch.bfloat16, True),
-            ("B1 T64 H16 V256 bf16 (T=64) no h0", 1, 64, 16, 16, 256, torch.bfloat16, False),
-            ("B2 T200 H8 HV16 V128 bf16 GVA tail h0", 2, 200, 8, 16, 128, torch.bfloat16, True),
-            ("B2 T256 H16 V128 fp16 h0/dht", 2, 256, 16, 16, 128, torch.float16, True),
-        ]
-        if not a.quick:
-            shapes.append(("B16 T8192 H16 V256 bf16 (ref b0)", 16, 8192, 16, 16, 256, torch.bfloat16, True))
+        shapes = SHAPES + ([] if a.quick else [REF])
         for name, B, T, H, HV, V, dt, h0 in shapes:
-            ok &= check_shape(
-                name, B, T, H, HV, V, dt, h0, ref_batches=1 if B >= 16 else None, stages=stages_list[0]
-            )
-        print("ALL PASS" if ok else "SOME FAIL", flush=True)
+            ok &= check_shape(name, B, T, H, HV, V, dt, h0, ref_batches=1 if B >= 16 else None)
+        print("ALL PASS (default variant)" if ok else "SOME FAIL (default variant)", flush=True)
+    v1 = [(2, 1), (1, 1)]
+    rows1 = []
     if not a.no_time:
-        rows = []
         for B, T, H, HV, V in ((16, 8192, 16, 16, 256), (2, 4096, 16, 16, 256)):
-            rows += time_shape(B, T, H, HV, V, stages_list)
-        print()
-        hdr = " | ".join(f"ours S={s} ms" for s in stages_list)
-        print(f"| shape | stage | CTAs | fla ms | {hdr} | fla / best ours |")
-        print("|---|---|---|---|" + "---|" * len(stages_list) + "---|")
-        for shape, stage, ctas, tf, ts in rows:
-            best = min(ts.values())
-            cells = " | ".join(f"{ts[s]:.3f}" for s in stages_list)
-            print(f"| {shape} | {stage} | {ctas} | {tf:.3f} | {cells} | {tf / best:.2f}x |")
+            rows1 += time_shape(B, T, H, HV, V, v1)
+        print_table(rows1, v1)
+    # phase 2: two warpgroups per CTA (two V tiles sharing the operand tiles); after phase 1 so a
+    # failure here cannot hide phase 1's results
+    if a.quick or a.no_wg2:
+        return
+    ok2 = True
+    if not a.no_check:
+        for name, B, T, H, HV, V, dt, h0 in SHAPES[:3]:
+            ok2 &= check_shape(name, B, T, H, HV, V, dt, h0, var=(2, 2))
+        print("ALL PASS (2 warpgroups)" if ok2 else "SOME FAIL (2 warpgroups)", flush=True)
+    if not a.no_time:
+        v2 = [(2, 2), (1, 2)]
+        rows2 = time_shape(16, 8192, 16, 16, 256, v2)
+        print_table(rows1, v1)
+        print_table(rows2, v2)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,21 @@ def test_dhu_compiles_fp16():
     )
 
 
+def test_two_warpgroup_variants_compile():
+    d = _t(V=256)
+    _check(b1.compile_for(d["kg"], d["w"], d["u"], d["gk"], None, False, warpgroups=2), "kda_cute_b1")
+    _check(
+        fwd.compile_for(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], d["h0"], True, 0.1, warpgroups=2),
+        "kda_cute_fwd",
+    )
+    _check(
+        dhu.compile_for(
+            d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1, stages=1, warpgroups=2
+        ),
+        "kda_cute_dhu",
+    )
+
+
 def test_is_supported_needs_cuda_on_cpu():
     d = _t()
     assert "CUDA" in b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False)

@@ -43,6 +43,14 @@ _MN = warpgroup.OperandMajorMode.MN
 
 
 # ----------------------------------------------------------------------------------------- host
+def pick_warpgroups(V: int, requested) -> int:
+    """Warpgroups per CTA (each owns one 64-wide V tile); 2 needs V % 128 == 0, else 1."""
+    n = 1 if requested is None else int(requested)
+    if n not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2 (got {requested})")
+    return n if V % (BV * n) == 0 else 1
+
+
 def make_mma(dtype, a_k_major: bool, b_k_major: bool):
     """One-warpgroup wgmma, 64 x 64 x 16 atom, fp32 accumulate."""
     return sm90_utils.make_trivial_tiled_mma(
@@ -168,8 +176,10 @@ def sync_smem_for_async():
 
 @cute.jit
 def load_row_scale(s_g: cute.Tensor, g_row: cute.Tensor, tid: cutlass.Int32):
-    """s_g[k] = exp2(g_row[k]) for k < 128, one element per thread (a coalesced 512 B read)."""
-    s_g[tid] = cute.arch.exp2(g_row[tid])
+    """s_g[k] = exp2(g_row[k]) for k < 128, one element per thread of the first warpgroup
+    (a coalesced 512 B read)."""
+    if tid < KD:
+        s_g[tid] = cute.arch.exp2(g_row[tid])
 
 
 @cute.jit
@@ -180,10 +190,15 @@ def scale_rows(acc: cute.Tensor, coords: cute.Tensor, s_g: cute.Tensor, mul: cut
 
 
 def issue_chunk(mbar, s, nbytes: int, loads, n):
-    """(one thread) expect `nbytes` on barrier s and TMA-load chunk n of every (atom, gmem, smem)."""
+    """(one thread) expect `nbytes` on barrier s and TMA-load chunk n of every load.
+
+    A load is (atom, gmem, smem) into smem stage s, or (atom, gmem, smem, mult, off) into smem
+    stage s * mult + off (per-warpgroup tiles of one pipeline stage)."""
     cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, nbytes)
-    for atom, tg, ts in loads:
-        cute.copy(atom, tg[None, n], ts[None, s], tma_bar_ptr=mbar + s)
+    for ld in loads:
+        atom, tg, ts = ld[0], ld[1], ld[2]
+        slot = s if len(ld) == 3 else s * ld[3] + ld[4]
+        cute.copy(atom, tg[None, n], ts[None, slot], tma_bar_ptr=mbar + s)
 
 
 def store_chunk(atom, ts, tg, n):
@@ -212,21 +227,25 @@ def wgmma_wait():
 
 
 @cute.jit
-def gate_rows_inplace(sX: cute.Tensor, mG: cute.Tensor, t0, T, hv, b, tid):
+def gate_rows_inplace(sX: cute.Tensor, mG: cute.Tensor, t0, T, hv, b, tid, nwg: cutlass.Constexpr):
     """sX[t, k] = bf16(sX[t, k] * exp2(g[t0 + t, k])) for a (64, 128) tile; thread tid owns column
-    k = tid (coalesced fp32 reads of g, conflict-free smem); rows past T read g = 0 (X is 0 there)."""
-    for i in cutlass.range_constexpr(BT):
+    k = tid % 128 and every nwg-th row (coalesced fp32 reads of g, conflict-free smem); rows past T
+    read g = 0 (X is 0 there)."""
+    k = tid % KD
+    r0 = tid // KD
+    for i in cutlass.range_constexpr(BT // nwg):
+        t = i * nwg + r0
         g = cutlass.Float32(0.0)
-        if t0 + i < T:
-            g = mG[t0 + i, tid, hv, b]
-        sX[i, tid] = (sX[i, tid].to(cutlass.Float32) * cute.arch.exp2(g)).to(sX.element_type)
+        if t0 + t < T:
+            g = mG[t0 + t, k, hv, b]
+        sX[t, k] = (sX[t, k].to(cutlass.Float32) * cute.arch.exp2(g)).to(sX.element_type)
 
 
 @cute.jit
-def mask_upper(sA: cute.Tensor, tid):
+def mask_upper(sA: cute.Tensor, tid, nthreads: cutlass.Constexpr):
     """Zero the strictly-upper triangle of a (64, 64) smem tile (fla masks Aqk with i >= j)."""
-    for i in cutlass.range_constexpr(BT * BT // THREADS):
-        idx = i * THREADS + tid
+    for i in cutlass.range_constexpr(BT * BT // nthreads):
+        idx = i * nthreads + tid
         r = idx // BT
         col = idx % BT
         if col > r:

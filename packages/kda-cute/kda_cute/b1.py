@@ -28,6 +28,7 @@ from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
 
 STAGES = 2
+WARPGROUPS = 1  # default variant (see fwd_h)
 GRID_FLOOR = 0  # CTAs (B * HV * V/64) below which fla is preferred; set from measurement
 _cache = CallCache("kda_cute_b1")
 _DT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -40,21 +41,25 @@ def _cutlass_dtype(dt):
 
 
 class _B1:
-    def __init__(self, dtype, V: int, HV: int, ratio_k: int, has_h0: bool, store_ht: bool, stages: int):
+    def __init__(
+        self, dtype, V: int, HV: int, ratio_k: int, has_h0: bool, store_ht: bool, stages: int, nwg: int = 1
+    ):
         self.dtype, self.V, self.HV, self.ratio_k = dtype, V, HV, ratio_k
-        self.has_h0, self.store_ht, self.stages = has_h0, store_ht, stages
+        self.has_h0, self.store_ht, self.stages, self.nwg = has_h0, store_ht, stages, nwg
 
     def _layouts(self, with_struct=False):
         import cutlass
         import cutlass.cute as cute
 
-        dt, st = self.dtype, self.stages
-        self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # (t, k) A K-major
-        self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # (k, t) A MN-major
-        self.l_u = S.smem_layout(dt, S.BV, S.BT, False, st)  # (v, t) B MN-major
-        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, 1)  # (v, k) B MN-major
-        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, 1)  # (v, t) B MN-major
-        self.tx_bytes = S.tile_bytes(dt, self.l_w) + S.tile_bytes(dt, self.l_kg) + S.tile_bytes(dt, self.l_u)
+        dt, st, nwg = self.dtype, self.stages, self.nwg
+        self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # (t, k) A K-major, shared by the warpgroups
+        self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # (k, t) A MN-major, shared
+        self.l_u = S.smem_layout(dt, S.BV, S.BT, False, st * nwg)  # (v, t) per (stage, warpgroup)
+        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, nwg)  # (v, k) B MN-major, per warpgroup
+        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, nwg)  # (v, t) B MN-major, per warpgroup
+        self.tx_bytes = (
+            S.tile_bytes(dt, self.l_w) + S.tile_bytes(dt, self.l_kg) + nwg * S.tile_bytes(dt, self.l_u)
+        )
         if not with_struct:
             return
 
@@ -78,16 +83,11 @@ class _B1:
         @cute.jit
         def run(kg, w, u, gk, h0, h, v_new, ht, stream):
             this._layouts(with_struct=True)
-            mKg = S.col_view(kg)
-            mW = S.row_view(w)
-            mU = S.col_view(u)
-            atom_w, tma_w = S.tma_load(mW, this.l_w, (S.BT, S.KD))
-            atom_kg, tma_kg = S.tma_load(mKg, this.l_kg, (S.KD, S.BT))
-            atom_u, tma_u = S.tma_load(mU, this.l_u, (S.BV, S.BT))
+            atom_w, tma_w = S.tma_load(S.row_view(w), this.l_w, (S.BT, S.KD))
+            atom_kg, tma_kg = S.tma_load(S.col_view(kg), this.l_kg, (S.KD, S.BT))
+            atom_u, tma_u = S.tma_load(S.col_view(u), this.l_u, (S.BV, S.BT))
             atom_h, tma_h = S.tma_store(S.state_view(h), this.l_h, (S.BV, S.KD))
             atom_v, tma_v = S.tma_store(S.col_view(v_new), this.l_v, (S.BV, S.BT))
-            mma_tt = S.mma_tt(this.dtype)
-            mma_kv = S.mma_kv(this.dtype)
             B = cute.size(u, mode=[0])
             this.kda_cute_b1(
                 atom_w,
@@ -103,9 +103,13 @@ class _B1:
                 S.col_view(gk),
                 S.fp32_state_view(h0),
                 S.fp32_state_view(ht),
-                mma_tt,
-                mma_kv,
-            ).launch(grid=(this.V // S.BV, this.HV, B), block=[S.THREADS, 1, 1], stream=stream)
+                S.mma_tt(this.dtype),
+                S.mma_kv(this.dtype),
+            ).launch(
+                grid=(this.V // (S.BV * this.nwg), this.HV, B),
+                block=[S.THREADS * this.nwg, 1, 1],
+                stream=stream,
+            )
 
         return run
 
@@ -138,10 +142,13 @@ def _b1_kernel(cfg):
             mma_tt: cute.TiledMma,
             mma_kv: cute.TiledMma,
         ):
-            nst = cfg.stages
+            nst, nwg = cfg.stages, cfg.nwg
             cfg._layouts()
             tid, _, _ = cute.arch.thread_idx()
-            vt, hv, b = cute.arch.block_idx()
+            wg = tid // S.THREADS  # warpgroup: its own 64-wide V tile, state and output buffers
+            wtid = tid % S.THREADS
+            bv, hv, b = cute.arch.block_idx()
+            vt = bv * nwg + wg
             hk = hv // cfg.ratio_k
             T = cute.size(mGk, mode=[1])
             NT = (T + S.BT - 1) // S.BT
@@ -153,25 +160,25 @@ def _b1_kernel(cfg):
             sW = S.smem_tensor(st.sW, cfg.l_w)
             sKg = S.smem_tensor(st.sKg, cfg.l_kg)
             sU = S.smem_tensor(st.sU, cfg.l_u)
-            sH = S.smem_tensor(st.sH, cfg.l_h)[None, None, 0]
-            sV = S.smem_tensor(st.sV, cfg.l_v)[None, None, 0]
+            sHall = S.smem_tensor(st.sH, cfg.l_h)
+            sVall = S.smem_tensor(st.sV, cfg.l_v)
+            sH = sHall[None, None, wg]
+            sV = sVall[None, None, wg]
 
-            gW = cute.local_tile(tma_w, (S.BT, S.KD), (None, 0, hv, b))
-            gKg = cute.local_tile(tma_kg, (S.KD, S.BT), (0, None, hk, b))
-            gU = cute.local_tile(tma_u, (S.BV, S.BT), (vt, None, hv, b))
-            gH = cute.local_tile(tma_h, (S.BV, S.KD), (vt, 0, hv, None, b))
-            gVn = cute.local_tile(tma_v, (S.BV, S.BT), (vt, None, hv, b))
-            tWs, tWg = S.tma_part(atom_w, sW, gW)
-            tKs, tKg = S.tma_part(atom_kg, sKg, gKg)
-            tUs, tUg = S.tma_part(atom_u, sU, gU)
-            tHs, tHg = S.tma_part(atom_h, sH, gH)
-            tVs, tVg = S.tma_part(atom_v, sV, gVn)
-
-            loads = [(atom_w, tWg, tWs), (atom_kg, tKg, tKs), (atom_u, tUg, tUs)]
+            tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.BT, S.KD), (None, 0, hv, b)))
+            tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.KD, S.BT), (0, None, hk, b)))
+            loads = [(atom_w, tWg, tWs), (atom_kg, tKg, tKs)]
+            for i in cutlass.range_constexpr(nwg):
+                tUs, tUg = S.tma_part(
+                    atom_u, sU, cute.local_tile(tma_u, (S.BV, S.BT), (bv * nwg + i, None, hv, b))
+                )
+                loads.append((atom_u, tUg, tUs, nwg, i))
+            tHs, tHg = S.tma_part(atom_h, sH, cute.local_tile(tma_h, (S.BV, S.KD), (vt, 0, hv, None, b)))
+            tVs, tVg = S.tma_part(atom_v, sV, cute.local_tile(tma_v, (S.BV, S.BT), (vt, None, hv, b)))
             S.prologue(mbar, nst, cfg.tx_bytes, loads, 0, 1, NT, tid)
 
-            thr_tt = mma_tt.get_slice(tid)
-            thr_kv = mma_kv.get_slice(tid)
+            thr_tt = mma_tt.get_slice(wtid)
+            thr_kv = mma_kv.get_slice(wtid)
             tAw = mma_tt.make_fragment_A(thr_tt.partition_A(sW))
             tBh = mma_tt.make_fragment_B(thr_tt.partition_B(sH))
             tAk = mma_kv.make_fragment_A(thr_kv.partition_A(sKg))
@@ -198,25 +205,25 @@ def _b1_kernel(cfg):
                 S.load_row_scale(sG, mGk[None, last, hv, b], tid)
                 S.frag_to_smem(acc, tSsH, cfg.dtype)
                 S.sync_smem_for_async()
-                if tid == 0:
+                if wtid == 0:
                     S.store_chunk(atom_h, tHs, tHg, c)
                 cute.arch.mbarrier_wait(mbar + s, phase)
                 # v_new = u - w @ bf16(h)
                 cute.nvgpu.warpgroup.fence()
                 S.gemm(mma_tt, accP, tAw, tBh, s, None, False)
                 S.wgmma_wait()
-                uf = S.smem_to_frag_f32(thr_tt.partition_C(sU_tv[None, None, s]), accP)
+                uf = S.smem_to_frag_f32(thr_tt.partition_C(sU_tv[None, None, s * nwg + wg]), accP)
                 accP.store(uf.load() - accP.load())
                 S.frag_to_smem(accP, tPsV, cfg.dtype)
                 S.sync_smem_for_async()
-                if tid == 0:
+                if wtid == 0:
                     S.store_chunk(atom_v, tVs, tVg, c)
                 # h = exp2(gd) * h + kg^T @ bf16(v_new)
                 S.scale_rows(acc, cS, sG, cutlass.Float32(1.0))
                 cute.nvgpu.warpgroup.fence()
                 S.gemm(mma_kv, acc, tAk, tBv, s, None, True)
                 S.wgmma_wait()
-                if tid == 0:
+                if wtid == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.sync_threads()
                 if tid == 0:
@@ -225,7 +232,7 @@ def _b1_kernel(cfg):
 
             if cutlass.const_expr(cfg.store_ht):
                 cute.autovec_copy(acc, tSgHt)
-            if tid == 0:
+            if wtid == 0:
                 cute.arch.cp_async_bulk_wait_group(0)
 
     return K().kda_cute_b1
@@ -276,8 +283,9 @@ def static_reason(kg, w, u, gk, initial_state=None) -> str | None:
     return None
 
 
-def _compile_key(kg, u, initial_state, output_final_state, stages):
+def _compile_key(kg, u, initial_state, output_final_state, stages, nwg):
     return (
+        nwg,
         _DT[u.dtype],
         u.shape[-1],
         u.shape[2],
@@ -289,8 +297,9 @@ def _compile_key(kg, u, initial_state, output_final_state, stages):
     )
 
 
-def _plan(kg, w, u, gk, initial_state, output_final_state, stages):
+def _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups):
     B, T, HV, V = u.shape
+    nwg = S.pick_warpgroups(V, WARPGROUPS if warpgroups is None else warpgroups)
     K = kg.shape[-1]
     NT = (T + S.BT - 1) // S.BT
     dev = u.device
@@ -298,7 +307,7 @@ def _plan(kg, w, u, gk, initial_state, output_final_state, stages):
     v_new = alloc(u.shape, u.dtype, dev)
     ht = alloc((B, HV, K, V), torch.float32, dev) if output_final_state else None
     dummy = _dummy(dev)
-    key = _compile_key(kg, u, initial_state, output_final_state, stages)
+    key = _compile_key(kg, u, initial_state, output_final_state, stages, nwg)
     h0 = initial_state if initial_state is not None else dummy
     args = (kg, w, u, gk, h0, h, v_new, ht if ht is not None else dummy)
     dyn = (
@@ -319,19 +328,27 @@ def _plan(kg, w, u, gk, initial_state, output_final_state, stages):
         initial_state is not None,
         bool(output_final_state),
         stages,
+        nwg,
     )
     return (h, v_new, ht), key, args, dyn, cfg
 
 
-def compile_for(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages: int = STAGES):
+def compile_for(
+    kg, w, u, gk, initial_state=None, output_final_state=False, *, stages: int = STAGES, warpgroups=None
+):
     """Compile without launching (CPU tests); returns the compiled object."""
-    _, _, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages)
+    _, _, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
     return S.compile_only(cfg, args, dyn)
 
 
-def fwd_h(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages: int = STAGES):
-    """fla's `chunk_gated_delta_rule_fwd_h(k=kg, w, u, gk=gk, ...)` -> (h, v_new, ht)."""
-    outs, key, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages)
+def fwd_h(
+    kg, w, u, gk, initial_state=None, output_final_state=False, *, stages: int = STAGES, warpgroups=None
+):
+    """fla's `chunk_gated_delta_rule_fwd_h(k=kg, w, u, gk=gk, ...)` -> (h, v_new, ht).
+
+    `stages` (TMA ring depth) and `warpgroups` (1: one 64-wide V tile per CTA; 2: two V tiles
+    sharing the w / kg tiles, needs V % 128 == 0, else 1) select the compiled variant."""
+    outs, key, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
 
     def build(views, stream):
         import cutlass.cute as cute

@@ -27,30 +27,30 @@ from ._common.support import compile_arch, device_reason
 from .b1 import _DT, _cutlass_dtype, _dummy
 
 STAGES = 2
+WARPGROUPS = 1
 GRID_FLOOR = 0
 _cache = CallCache("kda_cute_dhu")
 
 
 class _Dhu:
-    def __init__(self, dtype, V, HV, ratio_q, ratio_k, has_dh0, has_dht, scale, stages):
+    def __init__(self, dtype, V, HV, ratio_q, ratio_k, has_dh0, has_dht, scale, stages, nwg=1):
         self.dtype, self.V, self.HV, self.ratio_q, self.ratio_k = dtype, V, HV, ratio_q, ratio_k
-        self.has_dh0, self.has_dht, self.scale, self.stages = has_dh0, has_dht, scale, stages
+        self.has_dh0, self.has_dht, self.scale, self.stages, self.nwg = has_dh0, has_dht, scale, stages, nwg
 
     def _layouts(self, with_struct=False):
         import cutlass
         import cutlass.cute as cute
 
-        dt, st = self.dtype, self.stages
-        self.l_kg = S.smem_layout(dt, S.BT, S.KD, True, st)  # kg (t, k) A K-major
-        self.l_q = S.smem_layout(dt, S.KD, S.BT, False, st)  # qg^T (k, t) A MN-major
-        self.l_w = S.smem_layout(dt, S.KD, S.BT, False, st)  # w^T (k, t) A MN-major
-        self.l_do = S.smem_layout(dt, S.BV, S.BT, False, st)  # do (v, t) B MN-major
-        self.l_dv = S.smem_layout(dt, S.BV, S.BT, False, st)  # dv (v, t)
-        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, 1)
-        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, 1)
-        self.tx_bytes = sum(
-            S.tile_bytes(dt, l) for l in (self.l_kg, self.l_q, self.l_w, self.l_do, self.l_dv)
-        )
+        dt, st, nwg = self.dtype, self.stages, self.nwg
+        self.l_kg = S.smem_layout(dt, S.BT, S.KD, True, st)  # kg (t, k) A K-major, shared by the warpgroups
+        self.l_q = S.smem_layout(dt, S.KD, S.BT, False, st)  # qg^T (k, t) A MN-major, shared
+        self.l_w = S.smem_layout(dt, S.KD, S.BT, False, st)  # w^T (k, t) A MN-major, shared
+        self.l_do = S.smem_layout(dt, S.BV, S.BT, False, st * nwg)  # do (v, t) B MN-major, per warpgroup
+        self.l_dv = S.smem_layout(dt, S.BV, S.BT, False, st * nwg)  # dv (v, t), per warpgroup
+        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, nwg)
+        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, nwg)
+        self.tx_bytes = sum(S.tile_bytes(dt, lay) for lay in (self.l_kg, self.l_q, self.l_w))
+        self.tx_bytes += nwg * (S.tile_bytes(dt, self.l_do) + S.tile_bytes(dt, self.l_dv))
         if not with_struct:
             return
 
@@ -104,7 +104,11 @@ class _Dhu:
                 S.fp32_state_view(dh0),
                 S.mma_tt(this.dtype),
                 S.mma_kv(this.dtype),
-            ).launch(grid=(this.V // S.BV, this.HV, B), block=[S.THREADS, 1, 1], stream=stream)
+            ).launch(
+                grid=(this.V // (S.BV * this.nwg), this.HV, B),
+                block=[S.THREADS * this.nwg, 1, 1],
+                stream=stream,
+            )
 
         return run
 
@@ -141,10 +145,13 @@ def _dhu_kernel(cfg):
             mma_tt: cute.TiledMma,
             mma_kv: cute.TiledMma,
         ):
-            nst = cfg.stages
+            nst, nwg = cfg.stages, cfg.nwg
             cfg._layouts()
             tid, _, _ = cute.arch.thread_idx()
-            vt, hv, b = cute.arch.block_idx()
+            wg = tid // S.THREADS  # warpgroup: its own 64-wide V tile, state and output buffers
+            wtid = tid % S.THREADS
+            bv, hv, b = cute.arch.block_idx()
+            vt = bv * nwg + wg
             hk = hv // cfg.ratio_k
             hq = hv // cfg.ratio_q
             T = cute.size(mGk, mode=[1])
@@ -159,14 +166,14 @@ def _dhu_kernel(cfg):
             sW = S.smem_tensor(st.sW, cfg.l_w)
             sDo = S.smem_tensor(st.sDo, cfg.l_do)
             sDv = S.smem_tensor(st.sDv, cfg.l_dv)
-            sH = S.smem_tensor(st.sH, cfg.l_h)[None, None, 0]
-            sV = S.smem_tensor(st.sV, cfg.l_v)[None, None, 0]
+            sHall = S.smem_tensor(st.sH, cfg.l_h)
+            sVall = S.smem_tensor(st.sV, cfg.l_v)
+            sH = sHall[None, None, wg]
+            sV = sVall[None, None, wg]
 
             tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.BT, S.KD), (None, 0, hk, b)))
             tQs, tQg = S.tma_part(atom_q, sQ, cute.local_tile(tma_q, (S.KD, S.BT), (0, None, hq, b)))
             tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.KD, S.BT), (0, None, hv, b)))
-            tDos, tDog = S.tma_part(atom_do, sDo, cute.local_tile(tma_do, (S.BV, S.BT), (vt, None, hv, b)))
-            tDvs, tDvg = S.tma_part(atom_dv, sDv, cute.local_tile(tma_dv, (S.BV, S.BT), (vt, None, hv, b)))
             tHs, tHg = S.tma_part(atom_h, sH, cute.local_tile(tma_h, (S.BV, S.KD), (vt, 0, hv, None, b)))
             tVs, tVg = S.tma_part(atom_v, sV, cute.local_tile(tma_v, (S.BV, S.BT), (vt, None, hv, b)))
 
@@ -174,13 +181,21 @@ def _dhu_kernel(cfg):
                 (atom_kg, tKg, tKs),
                 (atom_q, tQg, tQs),
                 (atom_w, tWg, tWs),
-                (atom_do, tDog, tDos),
-                (atom_dv, tDvg, tDvs),
             ]
+            for i in cutlass.range_constexpr(nwg):
+                vti = bv * nwg + i
+                tDos, tDog = S.tma_part(
+                    atom_do, sDo, cute.local_tile(tma_do, (S.BV, S.BT), (vti, None, hv, b))
+                )
+                tDvs, tDvg = S.tma_part(
+                    atom_dv, sDv, cute.local_tile(tma_dv, (S.BV, S.BT), (vti, None, hv, b))
+                )
+                loads.append((atom_do, tDog, tDos, nwg, i))
+                loads.append((atom_dv, tDvg, tDvs, nwg, i))
             S.prologue(mbar, nst, cfg.tx_bytes, loads, NT - 1, -1, NT, tid)
 
-            thr_tt = mma_tt.get_slice(tid)
-            thr_kv = mma_kv.get_slice(tid)
+            thr_tt = mma_tt.get_slice(wtid)
+            thr_kv = mma_kv.get_slice(wtid)
             tAk = mma_tt.make_fragment_A(thr_tt.partition_A(sKg))
             tBh = mma_tt.make_fragment_B(thr_tt.partition_B(sH))
             tAq = mma_kv.make_fragment_A(thr_kv.partition_A(sQ))
@@ -210,20 +225,20 @@ def _dhu_kernel(cfg):
                 S.load_row_scale(sG, mGk[None, last, hv, b], tid)
                 S.frag_to_smem(acc, tSsH, cfg.dtype)
                 S.sync_smem_for_async()
-                if tid == 0:
+                if wtid == 0:
                     S.store_chunk(atom_h, tHs, tHg, c)
                 cute.arch.mbarrier_wait(mbar + s, phase)
                 # P = kg @ bf16(dh) ; X = dh * exp2(gd) / scale + qg^T @ do   (one wgmma group)
                 S.scale_rows(acc, cS, sG, cutlass.Float32(1.0 / cfg.scale))
                 cute.nvgpu.warpgroup.fence()
                 S.gemm(mma_tt, accP, tAk, tBh, s, None, False)
-                S.gemm(mma_kv, acc, tAq, tBdo, s, s, True)
+                S.gemm(mma_kv, acc, tAq, tBdo, s, s * nwg + wg, True)
                 S.wgmma_wait()
-                dvf = S.smem_to_frag_f32(thr_tt.partition_C(sDv_tv[None, None, s]), accP)
+                dvf = S.smem_to_frag_f32(thr_tt.partition_C(sDv_tv[None, None, s * nwg + wg]), accP)
                 accP.store(dvf.load() + accP.load())
                 S.frag_to_smem(accP, tPsV, cfg.dtype)
                 S.sync_smem_for_async()
-                if tid == 0:
+                if wtid == 0:
                     S.store_chunk(atom_v, tVs, tVg, c)
                 # dh = -( -scale * X + w^T @ bf16(dv2) )
                 acc.store(acc.load() * (-cfg.scale))
@@ -231,7 +246,7 @@ def _dhu_kernel(cfg):
                 S.gemm(mma_kv, acc, tAw, tBv, s, None, True)
                 S.wgmma_wait()
                 acc.store(-acc.load())
-                if tid == 0:
+                if wtid == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.sync_threads()
                 if tid == 0:
@@ -240,7 +255,7 @@ def _dhu_kernel(cfg):
 
             if cutlass.const_expr(cfg.has_dh0):
                 cute.autovec_copy(acc, tSgDh0)
-            if tid == 0:
+            if wtid == 0:
                 cute.arch.cp_async_bulk_wait_group(0)
 
     return K().kda_cute_dhu
@@ -293,8 +308,9 @@ def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
     return None
 
 
-def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages):
+def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
     B, T, HV, V = do.shape
+    nwg = S.pick_warpgroups(V, WARPGROUPS if warpgroups is None else warpgroups)
     K = w.shape[-1]
     if scale is None:
         scale = K**-0.5
@@ -305,6 +321,7 @@ def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages):
     dv2 = alloc(dv.shape, dv.dtype, dev)
     dummy = _dummy(dev)
     key = (
+        nwg,
         _DT[do.dtype],
         V,
         HV,
@@ -346,19 +363,21 @@ def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages):
         dht is not None,
         float(scale),
         stages,
+        nwg,
     )
     return (dh, dh0, dv2), key, args, dyn, cfg
 
 
-def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES):
+def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES, warpgroups=None):
     """Compile without launching (CPU tests); returns the compiled object."""
-    _, _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages)
+    _, _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
     return S.compile_only(cfg, args, dyn)
 
 
-def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES):
-    """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2)."""
-    outs, key, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages)
+def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES, warpgroups=None):
+    """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2).
+    `stages` / `warpgroups`: the compiled variant (see b1.fwd_h)."""
+    outs, key, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
 
     def build(views, stream):
         import cutlass.cute as cute

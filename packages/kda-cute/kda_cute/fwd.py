@@ -26,29 +26,31 @@ from ._common.support import compile_arch, device_reason
 from .b1 import _DT, _cutlass_dtype, _dummy
 
 STAGES = 2
+WARPGROUPS = 1
 GRID_FLOOR = 0
 _cache = CallCache("kda_cute_fwd")
 
 
 class _Fwd:
-    def __init__(self, dtype, V, HV, ratio_q, ratio_k, has_h0, store_ht, scale, stages):
+    def __init__(self, dtype, V, HV, ratio_q, ratio_k, has_h0, store_ht, scale, stages, nwg=1):
         self.dtype, self.V, self.HV, self.ratio_q, self.ratio_k = dtype, V, HV, ratio_q, ratio_k
-        self.has_h0, self.store_ht, self.scale, self.stages = has_h0, store_ht, scale, stages
+        self.has_h0, self.store_ht, self.scale, self.stages, self.nwg = has_h0, store_ht, scale, stages, nwg
 
     def _layouts(self, with_struct=False):
         import cutlass
         import cutlass.cute as cute
 
-        dt, st = self.dtype, self.stages
-        self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # w (t, k)
-        self.l_q = S.smem_layout(dt, S.BT, S.KD, True, st)  # q -> qg (t, k)
-        self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # kg^T (k, t)
-        self.l_u = S.smem_layout(dt, S.BV, S.BT, False, st)  # u (v, t)
-        self.l_a = S.smem_layout(dt, S.BT, S.BT, True, st)  # Aqk (t, s)
-        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, 1)
-        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, 1)
-        self.l_o = S.smem_layout(dt, S.BV, S.BT, False, 1)
-        self.tx_bytes = sum(S.tile_bytes(dt, l) for l in (self.l_w, self.l_q, self.l_kg, self.l_u, self.l_a))
+        dt, st, nwg = self.dtype, self.stages, self.nwg
+        self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # w (t, k), shared by the warpgroups
+        self.l_q = S.smem_layout(dt, S.BT, S.KD, True, st)  # q -> qg (t, k), shared
+        self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # kg^T (k, t), shared
+        self.l_u = S.smem_layout(dt, S.BV, S.BT, False, st * nwg)  # u (v, t) per (stage, warpgroup)
+        self.l_a = S.smem_layout(dt, S.BT, S.BT, True, st)  # Aqk (t, s), shared
+        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, nwg)
+        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, nwg)
+        self.l_o = S.smem_layout(dt, S.BV, S.BT, False, nwg)
+        self.tx_bytes = sum(S.tile_bytes(dt, lay) for lay in (self.l_w, self.l_q, self.l_kg, self.l_a))
+        self.tx_bytes += nwg * S.tile_bytes(dt, self.l_u)
         if not with_struct:
             return
 
@@ -101,7 +103,11 @@ class _Fwd:
                 S.fp32_state_view(ht),
                 S.mma_tt(this.dtype),
                 S.mma_kv(this.dtype),
-            ).launch(grid=(this.V // S.BV, this.HV, B), block=[S.THREADS, 1, 1], stream=stream)
+            ).launch(
+                grid=(this.V // (S.BV * this.nwg), this.HV, B),
+                block=[S.THREADS * this.nwg, 1, 1],
+                stream=stream,
+            )
 
         return run
 
@@ -137,10 +143,13 @@ def _fwd_kernel(cfg):
             mma_tt: cute.TiledMma,
             mma_kv: cute.TiledMma,
         ):
-            nst = cfg.stages
+            nst, nwg = cfg.stages, cfg.nwg
             cfg._layouts()
             tid, _, _ = cute.arch.thread_idx()
-            vt, hv, b = cute.arch.block_idx()
+            wg = tid // S.THREADS  # warpgroup: its own 64-wide V tile, state and output buffers
+            wtid = tid % S.THREADS
+            bv, hv, b = cute.arch.block_idx()
+            vt = bv * nwg + wg
             hk = hv // cfg.ratio_k
             hq = hv // cfg.ratio_q
             T = cute.size(mGc, mode=[1])
@@ -155,14 +164,16 @@ def _fwd_kernel(cfg):
             sKg = S.smem_tensor(st.sKg, cfg.l_kg)
             sU = S.smem_tensor(st.sU, cfg.l_u)
             sA = S.smem_tensor(st.sA, cfg.l_a)
-            sH = S.smem_tensor(st.sH, cfg.l_h)[None, None, 0]
-            sV = S.smem_tensor(st.sV, cfg.l_v)[None, None, 0]
-            sO = S.smem_tensor(st.sO, cfg.l_o)[None, None, 0]
+            sHall = S.smem_tensor(st.sH, cfg.l_h)
+            sVall = S.smem_tensor(st.sV, cfg.l_v)
+            sOall = S.smem_tensor(st.sO, cfg.l_o)
+            sH = sHall[None, None, wg]
+            sV = sVall[None, None, wg]
+            sO = sOall[None, None, wg]
 
             tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.BT, S.KD), (None, 0, hv, b)))
             tQs, tQg = S.tma_part(atom_q, sQ, cute.local_tile(tma_q, (S.BT, S.KD), (None, 0, hq, b)))
             tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.KD, S.BT), (0, None, hk, b)))
-            tUs, tUg = S.tma_part(atom_u, sU, cute.local_tile(tma_u, (S.BV, S.BT), (vt, None, hv, b)))
             tAs, tAg = S.tma_part(atom_a, sA, cute.local_tile(tma_a, (S.BT, S.BT), (None, 0, hv, b)))
             tOs, tOg = S.tma_part(atom_o, sO, cute.local_tile(tma_o, (S.BV, S.BT), (vt, None, hv, b)))
 
@@ -170,13 +181,17 @@ def _fwd_kernel(cfg):
                 (atom_w, tWg, tWs),
                 (atom_q, tQg, tQs),
                 (atom_kg, tKg, tKs),
-                (atom_u, tUg, tUs),
                 (atom_a, tAg, tAs),
             ]
+            for i in cutlass.range_constexpr(nwg):
+                tUs, tUg = S.tma_part(
+                    atom_u, sU, cute.local_tile(tma_u, (S.BV, S.BT), (bv * nwg + i, None, hv, b))
+                )
+                loads.append((atom_u, tUg, tUs, nwg, i))
             S.prologue(mbar, nst, cfg.tx_bytes, loads, 0, 1, NT, tid)
 
-            thr_tt = mma_tt.get_slice(tid)
-            thr_kv = mma_kv.get_slice(tid)
+            thr_tt = mma_tt.get_slice(wtid)
+            thr_kv = mma_kv.get_slice(wtid)
             tAw = mma_tt.make_fragment_A(thr_tt.partition_A(sW))
             tAq = mma_tt.make_fragment_A(thr_tt.partition_A(sQ))
             tAa = mma_tt.make_fragment_A(thr_tt.partition_A(sA))
@@ -208,18 +223,18 @@ def _fwd_kernel(cfg):
                 S.load_row_scale(sG, mGc[None, last, hv, b], tid)
                 S.frag_to_smem(acc, tSsH, cfg.dtype)
                 cute.arch.mbarrier_wait(mbar + s, phase)
-                S.gate_rows_inplace(sQ[None, None, s], mGr, c * S.BT, T, hv, b, tid)
-                S.mask_upper(sA[None, None, s], tid)
+                S.gate_rows_inplace(sQ[None, None, s], mGr, c * S.BT, T, hv, b, tid, nwg)
+                S.mask_upper(sA[None, None, s], tid, S.THREADS * nwg)
                 S.sync_smem_for_async()
                 # P = w @ bf16(h), O = qg @ bf16(h)   (one wgmma group)
                 cute.nvgpu.warpgroup.fence()
                 S.gemm(mma_tt, accP, tAw, tBh, s, None, False)
                 S.gemm(mma_tt, accO, tAq, tBh, s, None, False)
                 S.wgmma_wait()
-                uf = S.smem_to_frag_f32(thr_tt.partition_C(sU_tv[None, None, s]), accP)
+                uf = S.smem_to_frag_f32(thr_tt.partition_C(sU_tv[None, None, s * nwg + wg]), accP)
                 accP.store(uf.load() - accP.load())
                 S.frag_to_smem(accP, tPsV, cfg.dtype)
-                if tid == 0:
+                if wtid == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 S.sync_smem_for_async()
                 # o = scale * O + tril(Aqk) @ v_new ; h = exp2(gd) * h + kg^T @ v_new
@@ -231,14 +246,15 @@ def _fwd_kernel(cfg):
                 S.wgmma_wait()
                 S.frag_to_smem(accO, tPsO, cfg.dtype)
                 S.sync_smem_for_async()
-                if tid == 0:
+                if wtid == 0:
                     S.store_chunk(atom_o, tOs, tOg, c)
+                if tid == 0:
                     if c + nst < NT:
                         S.issue_chunk(mbar, s, cfg.tx_bytes, loads, c + nst)
 
             if cutlass.const_expr(cfg.store_ht):
                 cute.autovec_copy(acc, tSgHt)
-            if tid == 0:
+            if wtid == 0:
                 cute.arch.cp_async_bulk_wait_group(0)
 
     return K().kda_cute_fwd
@@ -275,8 +291,9 @@ def static_reason(q, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
     return None
 
 
-def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages):
+def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups):
     B, T, HV, V = u.shape
+    nwg = S.pick_warpgroups(V, WARPGROUPS if warpgroups is None else warpgroups)
     K = kg.shape[-1]
     if scale is None:
         scale = K**-0.5
@@ -285,6 +302,7 @@ def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages
     ht = alloc((B, HV, K, V), torch.float32, dev) if output_final_state else None
     dummy = _dummy(dev)
     key = (
+        nwg,
         _DT[u.dtype],
         V,
         HV,
@@ -309,23 +327,50 @@ def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages
         bool(output_final_state),
         float(scale),
         stages,
+        nwg,
     )
     return (o, ht), key, args, dyn, cfg
 
 
 def compile_for(
-    q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages: int = STAGES
+    q,
+    kg,
+    w,
+    u,
+    gk,
+    Aqk,
+    initial_state=None,
+    output_final_state=False,
+    scale=None,
+    *,
+    stages=STAGES,
+    warpgroups=None,
 ):
     """Compile without launching (CPU tests); returns the compiled object."""
-    _, _, args, dyn, cfg = _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages)
+    _, _, args, dyn, cfg = _plan(
+        q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
+    )
     return S.compile_only(cfg, args, dyn)
 
 
 def fwd_scan(
-    q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages: int = STAGES
+    q,
+    kg,
+    w,
+    u,
+    gk,
+    Aqk,
+    initial_state=None,
+    output_final_state=False,
+    scale=None,
+    *,
+    stages=STAGES,
+    warpgroups=None,
 ):
-    """fwd_h + fwd_o fused -> (o, ht)."""
-    outs, key, args, dyn, cfg = _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages)
+    """fwd_h + fwd_o fused -> (o, ht). `stages` / `warpgroups`: the compiled variant (see b1.fwd_h)."""
+    outs, key, args, dyn, cfg = _plan(
+        q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
+    )
 
     def build(views, stream):
         import cutlass.cute as cute
