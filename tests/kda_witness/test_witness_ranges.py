@@ -28,7 +28,8 @@ def test_exact_format():
 
 
 def test_reason_is_one_line():
-    assert parse_stage_range(range_name("fwd", "fla", "line one\n  line two")) == ("fwd", "fla", "line one line two")
+    name = range_name("fwd", "fla", "line one\n  line two")
+    assert parse_stage_range(name) == ("fwd", "fla", "line one line two")
 
 
 @pytest.mark.parametrize("name", ["aten::mm", "kda::intra", "kda::::cute", "other::intra::cute", "kda", ""])

@@ -6,6 +6,11 @@ innermost such range, and reports per-stage rows (`Results.table()`, `.rows()`).
 unless the named kernels launched, quoting each fallback's recorded reason. A pytest plugin
 (fixture `witness`, marker `@pytest.mark.witness(kernels=[...])`) and a CLI (`kda-witness`) sit
 on top. The witness knows stage and kernel names only; it never imports a kernel module.
+
+    import kda_witness as kw
+    res = kw.profile(step, batch)        # step's return value: res.value
+    print(res.table())                   # stage, impl, calls, kernels, ms, reason
+    kw.expect(res)                       # the four CuTe kernels launched, or why not
 """
 
 from .capture import profile, profiled, record

@@ -6,6 +6,9 @@
   call is profiled and the test fails unless every named kernel launched inside it, with
   `expect`'s message (which stages fell back, and why). Without a CUDA device the test is
   skipped: on CPU no kernel can launch, so the marker could only fail.
+
+torch.profiler does not nest: a marked test cannot also call `witness(...)` (or any profiler)
+inside; use one or the other.
 """
 
 from __future__ import annotations

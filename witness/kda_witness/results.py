@@ -136,7 +136,7 @@ class Results:
         widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head) - 1)]
 
         def line(row) -> str:
-            return "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1]
+            return "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
 
         if self.has_kernels:
             n = sum(k.count for k in self.kernels)

@@ -219,7 +219,7 @@ def summarize(ranges: list[Range], launches: list[Launch]) -> tuple[list[StageRo
 
     kernels_of: dict[tuple, list] = defaultdict(list)
     kernel_rows = []
-    for (rkey, name), (n, us, t0) in sorted(per_kernel.items(), key=lambda kv: kv[1][2]):
+    for (rkey, name), (n, us, _) in sorted(per_kernel.items(), key=lambda kv: kv[1][2]):
         kernels_of[rkey].append((name, n, us / 1e3))
         kernel_rows.append(KernelRow(name, *rkey, n, us / 1e3))
 
