@@ -2,7 +2,13 @@
 
 All three scans have the same skeleton, so it lives here once:
 
-  * one CTA = one warpgroup (128 threads) per (b, hv, 64-wide V tile); grid (V/64, HV, B);
+  * one warpgroup (128 threads) per (b, hv, 64-wide V tile); a CTA holds `nwg` of them
+    (grid (V / (64 nwg), HV, B)). nwg = 1 is the default; nwg = 2 (V % 128 == 0) puts two V
+    tiles of one (b, hv) in a CTA so they share every V-independent operand tile (w, kg, q / qg,
+    Aqk and gk's row) in smem: half the L2->SM traffic and smem for those, and two stages of
+    prefetch fit where nwg = 1 fits one at two CTAs per SM. Each warpgroup keeps its own
+    state, its own bf16 state / output buffers and its own TMA stores (issued by its thread 0);
+    thread 0 of the CTA issues every load;
   * the state S (h or dh) is [K=128, 64] fp32, held as the accumulator of a warpgroup MMA
     (`mma_kv`: M = 128 state rows (two 64-row atoms), N = 64, reduction over the 64 tokens of
     a chunk), so the update `S = exp2(gd) * S + X^T Y` is a row scale of the accumulator
@@ -24,6 +30,22 @@ Global views (the mode order every TMA tile and smem layout is written against):
                                     and the v_new / o / dv2 stores)
     state     (V, K, HV, NT, B)     per-chunk h / dh checkpoints (V contiguous, fla's layout)
     fp32 state (K, V, HV, B)        h0 / ht / dht / dh0 (read/written once per CTA)
+
+Per chunk, one warpgroup (b1 shown; fwd and dhu add their GEMMs to the same two groups):
+    all: S -> bf16 smem (B-operand layout); exp2(gd) row -> smem (first warpgroup)
+    fence.proxy.async + barrier;  leader: TMA-store the checkpoint (b1, dhu)
+    wait the stage's mbarrier;  wgmma group 1 (token GEMMs reading the bf16 state)
+    epilogue in the accumulator layout (u - P, dv + P) -> bf16 smem;  fence + barrier
+    wgmma group 2 (state GEMM accumulating into S);  leader: wait bulk-store reads;  barrier
+    thread 0: refill this stage with chunk c + stages
+Three CTA barriers per chunk; the only waits are the serial dependence and, with stages = 1,
+the refill.
+
+Shared memory per CTA (bf16, KB; stages x operand tiles + per-warpgroup buffers):
+    b1   nwg1: 40 S + 24        nwg2: 64 S + 48       (w, kg 16 each; u 8 per V tile)
+    fwd  nwg1: 64 S + 32        nwg2: 88 S + 64       (+ q 16, Aqk 8; o buffer 8)
+    dhu  nwg1: 64 S + 24        nwg2: 80 S + 48       (kg, qg, w 16 each; do, dv 8 per V tile)
+Registers (ptxas via the DSL, sm_90a, no local memory): 168-212 per thread in every variant.
 """
 
 from __future__ import annotations

@@ -17,8 +17,19 @@ A of `w @ h`; kg arrives feature-major (K, T) so it is the MN-major A of `kg^T @
 (no transpose pass); u arrives (V, T), the same smem layout as the v_new buffer, read in the
 accumulator layout of `w @ h`.
 
-Measured numbers and alternatives: see the bottom of this docstring (filled from the H200 runs)
-and bench/results/scans_*.md.
+Status (2026-11-30): compiles for sm_90a (tests/kda_cute/test_scan_compile.py checks wgmma, TMA,
+no local memory); NOT yet run on a GPU - the session's shared device pool fell below the
+integrator's reserve while this was queued, so there are no measured numbers and no GPU
+correctness result yet. `python bench/check_scans.py` (part of bench/gpu_suite.sh) measures
+correctness against fla and float64 and times the variants (stages 1/2 x warpgroups 1/2);
+set the module's STAGES / WARPGROUPS / GRID_FLOOR from its table.
+
+Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
+chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
+it from the smem copy the checkpoint store needs anyway); a producer warp + empty barriers
+(unneeded: the consumers are the only smem readers and a CTA barrier already orders them
+before the refill); a 128-wide V tile in one warpgroup (128 fp32 state registers per thread
+plus the token accumulators would spill).
 """
 
 import torch
@@ -211,7 +222,9 @@ def _b1_kernel(cfg):
                 # v_new = u - w @ bf16(h)
                 cute.nvgpu.warpgroup.fence()
                 S.gemm(mma_tt, accP, tAw, tBh, s, None, False)
-                S.wgmma_wait()
+                cute.nvgpu.warpgroup.commit_group()
+                S.scale_rows(acc, cS, sG, cutlass.Float32(1.0))  # h *= exp2(gd), under the wgmma
+                cute.nvgpu.warpgroup.wait_group(0)
                 uf = S.smem_to_frag_f32(thr_tt.partition_C(sU_tv[None, None, s * nwg + wg]), accP)
                 accP.store(uf.load() - accP.load())
                 S.frag_to_smem(accP, tPsV, cfg.dtype)
@@ -219,7 +232,6 @@ def _b1_kernel(cfg):
                 if wtid == 0:
                     S.store_chunk(atom_v, tVs, tVg, c)
                 # h = exp2(gd) * h + kg^T @ bf16(v_new)
-                S.scale_rows(acc, cS, sG, cutlass.Float32(1.0))
                 cute.nvgpu.warpgroup.fence()
                 S.gemm(mma_kv, acc, tAk, tBv, s, None, True)
                 S.wgmma_wait()

@@ -17,6 +17,20 @@ within an ulp). `kg @ dh` (K-major kg) and `qg^T @ do` (MN-major qg, do) go out 
 kg arrives token-major (T, K); qg and w feature-major (K, T); do and dv (V, T). dh leaves by TMA
 store from the bf16 smem copy that is also the B operand of `kg @ dh`; dv2 from the bf16 buffer
 that is the B operand of `w^T @ dv2`.
+
+Status (2026-11-30): compiles for sm_90a (tests/kda_cute/test_scan_compile.py checks wgmma, TMA,
+no local memory); NOT yet run on a GPU - the session's shared device pool fell below the
+integrator's reserve while this was queued, so there are no measured numbers and no GPU
+correctness result yet. `python bench/check_scans.py` (part of bench/gpu_suite.sh) measures
+correctness against fla and float64 and times the variants (stages 1/2 x warpgroups 1/2);
+set the module's STAGES / WARPGROUPS / GRID_FLOOR from its table.
+
+Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
+chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
+it from the smem copy the checkpoint store needs anyway); a producer warp + empty barriers
+(unneeded: the consumers are the only smem readers and a CTA barrier already orders them
+before the refill); a 128-wide V tile in one warpgroup (128 fp32 state registers per thread
+plus the token accumulators would spill).
 """
 
 import torch

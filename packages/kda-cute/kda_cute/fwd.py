@@ -16,6 +16,20 @@ accumulator of `kg^T @ v_new`, bf16 state in smem as the shared B operand of `w 
 which are issued in one wgmma group). q arrives by TMA with w, kg, u, Aqk and is gated in place in
 smem (thread k reads column k of gk: coalesced fp32, one exp2 per element, as fla's fwd_o does);
 o is staged in smem and leaves by TMA store. No per-chunk state leaves the CTA.
+
+Status (2026-11-30): compiles for sm_90a (tests/kda_cute/test_scan_compile.py checks wgmma, TMA,
+no local memory); NOT yet run on a GPU - the session's shared device pool fell below the
+integrator's reserve while this was queued, so there are no measured numbers and no GPU
+correctness result yet. `python bench/check_scans.py` (part of bench/gpu_suite.sh) measures
+correctness against fla and float64 and times the variants (stages 1/2 x warpgroups 1/2);
+set the module's STAGES / WARPGROUPS / GRID_FLOOR from its table.
+
+Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
+chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
+it from the smem copy the checkpoint store needs anyway); a producer warp + empty barriers
+(unneeded: the consumers are the only smem readers and a CTA barrier already orders them
+before the refill); a 128-wide V tile in one warpgroup (128 fp32 state registers per thread
+plus the token accumulators would spill).
 """
 
 import torch
@@ -230,7 +244,9 @@ def _fwd_kernel(cfg):
                 cute.nvgpu.warpgroup.fence()
                 S.gemm(mma_tt, accP, tAw, tBh, s, None, False)
                 S.gemm(mma_tt, accO, tAq, tBh, s, None, False)
-                S.wgmma_wait()
+                cute.nvgpu.warpgroup.commit_group()
+                S.scale_rows(acc, cS, sG, cutlass.Float32(1.0))  # h *= exp2(gd), under the wgmma
+                cute.nvgpu.warpgroup.wait_group(0)
                 uf = S.smem_to_frag_f32(thr_tt.partition_C(sU_tv[None, None, s * nwg + wg]), accP)
                 accP.store(uf.load() - accP.load())
                 S.frag_to_smem(accP, tPsV, cfg.dtype)
@@ -239,7 +255,6 @@ def _fwd_kernel(cfg):
                 S.sync_smem_for_async()
                 # o = scale * O + tril(Aqk) @ v_new ; h = exp2(gd) * h + kg^T @ v_new
                 accO.store(accO.load() * cfg.scale)
-                S.scale_rows(acc, cS, sG, cutlass.Float32(1.0))
                 cute.nvgpu.warpgroup.fence()
                 S.gemm(mma_tt, accO, tAa, tBv_t, s, None, True)
                 S.gemm(mma_kv, acc, tAk, tBv, s, None, True)
