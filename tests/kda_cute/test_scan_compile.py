@@ -85,6 +85,13 @@ def test_two_warpgroup_variants_compile():
     )
 
 
+def test_lazy_scan_constants_match():
+    from kda_cute import _scan
+
+    for name in ("BT", "KD", "BV", "THREADS"):
+        assert getattr(b1._LazyScan, name) == getattr(_scan, name)
+
+
 def test_is_supported_needs_cuda_on_cpu():
     d = _t()
     assert "CUDA" in b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False)

@@ -34,10 +34,24 @@ plus the token accumulators would spill).
 
 import torch
 
-from . import _scan as S
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
 
+
+class _LazyScan:
+    """`kda_cute._scan` on first use: it imports the CuTe DSL (seconds, and absent on some CPU
+    installs), which importing a stage module for its is_supported must not require. The tile
+    constants answer without the import."""
+
+    BT, KD, BV, THREADS = 64, 128, 64, 128
+
+    def __getattr__(self, name):
+        from . import _scan
+
+        return getattr(_scan, name)
+
+
+S = _LazyScan()
 STAGES = 2
 WARPGROUPS = 1  # default variant (see fwd_h)
 GRID_FLOOR = 0  # CTAs (B * HV * V/64) below which fla is preferred; set from measurement

@@ -34,10 +34,9 @@ plus the token accumulators would spill).
 
 import torch
 
-from . import _scan as S
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from .b1 import _DT, _cutlass_dtype, _dummy
+from .b1 import _DT, S, _cutlass_dtype, _dummy
 
 STAGES = 2
 WARPGROUPS = 1
