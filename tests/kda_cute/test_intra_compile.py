@@ -34,6 +34,22 @@ def test_compiles_for_sm90a_and_names_the_kernel(monkeypatch, tmp_path):
     assert "ld.global.v4" in body or "ld.global.nc.v4" in body, "16-byte loads expected"
 
 
+@pytest.mark.parametrize("K", [128, 64])
+def test_mma_variant_compiles(monkeypatch, tmp_path, K):
+    """The tf32 mma.sync cross-sum path (opt-in `_TUNE["mma"]`) traces, and its PTX has the MMAs."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(intra._TUNE, "mma", True)
+    compiled = intra.compile_for(*_args(K=K), fold_dg=True, keep_ptx=True)
+    text = compiled.__ptx__
+    if not isinstance(text, str):
+        text = text.decode() if text is not None else ""
+    if not text:
+        pytest.skip("this DSL build keeps no PTX on the compiled object")
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text
+    assert "cvt.rna.tf32.f32" in text
+
+
 def test_is_supported_reasons_on_cpu():
     assert "CUDA" in intra.is_supported(*_args())  # no GPU here (or tensors on CPU)
 

@@ -101,9 +101,15 @@ class KdaIntraBwd:
     """See the module docstring. io_dtype: q/k dtype; beta_dtype: beta's dtype."""
 
     def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool,
-                 pf: int = 2, xu: int = 1):
+                 pf: int = 2, xu: int = 1, mma: bool = False):
         self.pf = pf  # rows of incoming dq/dk/dg prefetched ahead of the diagonal walk
         self.xu = xu  # unroll of the dynamic cross-sum loops
+        # cross sums on tf32 mma.sync (m16n8k8) instead of SIMT FFMAs (see the docstring)
+        self.mma = mma
+        # smem row padding for the mma path (elements): conflict-free / 2-way fragment loads
+        self.apad = 4 if mma else 0  # dA rows (fp32)
+        self.gpad = 4 if mma else 0  # g rows (fp32)
+        self.qpad = 8 if mma else 0  # q, k rows (16-bit: 16 bytes keep the rows 16B-aligned)
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -119,6 +125,7 @@ def _build_kernel_class():
     """Defined lazily so importing this module does not import the DSL (seconds)."""
     import cutlass
     import cutlass.cute as cute
+    from cutlass.cute.nvgpu import warp
 
     f32 = cutlass.Float32
 
@@ -183,16 +190,26 @@ def _build_kernel_class():
 
             # ---------------- shared memory ----------------
             smem = cutlass.memory.SmemAllocator()
-            sQ = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(K, 1)), 16)
-            sK = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(K, 1)), 16)
-            sG = smem.allocate_tensor(f32, cute.make_layout((BT, K), stride=(K, 1)), 16)
-            sAq = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(BT, 1)), 16)
-            sAk = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(BT, 1)), 16)
+            QS = K + self.qpad  # q/k row stride in smem
+            GS = K + self.gpad  # g row stride in smem
+            sQ = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(QS, 1)), 16)
+            sK = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(QS, 1)), 16)
+            sG = smem.allocate_tensor(f32, cute.make_layout((BT, K), stride=(GS, 1)), 16)
+            AS = BT + self.apad  # dA row stride in smem
+            sAq = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(AS, 1)), 16)
+            sAk = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(AS, 1)), 16)
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
             sDbp = smem.allocate_tensor(f32, cute.make_layout((BT, self.wpg), stride=(self.wpg, 1)), 16)
             sTot = smem.allocate_tensor(f32, cute.make_layout((self.ngrp, K), stride=(K, 1)), 16)
+            if cutlass.const_expr(self.mma):
+                # per-warp staging of an 8 x 32 half of an mma C tile (row stride 33: the
+                # fragment writes are <= 2-way conflicted, the column reads conflict-free)
+                NW = THREADS // 32
+                sStage = smem.allocate_tensor(
+                    f32, cute.make_layout((NW, 8, 32), stride=(8 * 33, 33, 1)), 16
+                )
             # 4-wide views along the contiguous mode (one LDS.128 / 16-byte copy each)
-            v4 = cute.make_layout((BT, BT // 4, 4), stride=(BT, 4, 1))
+            v4 = cute.make_layout((BT, BT // 4, 4), stride=(AS, 4, 1))
             sAq4 = cute.make_tensor(sAq.iterator, v4)
             sAk4 = cute.make_tensor(sAk.iterator, v4)
 
@@ -204,9 +221,9 @@ def _build_kernel_class():
             rowv_io = cute.make_layout((K // VI, VI), stride=(VI, 1))
             rowv_g = cute.make_layout((K // 4, 4), stride=(4, 1))
             rowv_a = cute.make_layout((BT // 4, 4), stride=(4, 1))
-            sQv = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // VI, VI), stride=(K, VI, 1)))
-            sKv = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // VI, VI), stride=(K, VI, 1)))
-            sGv = cute.make_tensor(sG.iterator, cute.make_layout((BT, K // 4, 4), stride=(K, 4, 1)))
+            sQv = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // VI, VI), stride=(QS, VI, 1)))
+            sKv = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // VI, VI), stride=(QS, VI, 1)))
+            sGv = cute.make_tensor(sG.iterator, cute.make_layout((BT, K // 4, 4), stride=(GS, 4, 1)))
             vq = []
             vk = []
             for it in cutlass.range_constexpr(nq):
@@ -271,6 +288,28 @@ def _build_kernel_class():
             cDk = cute.make_tensor(mDk[b, row0, hv, None].iterator + d, colv)
             cDg = cute.make_tensor(mDg[b, row0, hv, None].iterator + d, colv)
 
+            if cutlass.const_expr(self.mma):
+                wid = tidx // 32
+                d0 = wig * 32  # this warp's 32 columns
+                tmma = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
+                thr = tmma.get_slice(lane)
+                cA = thr.partition_A(cute.make_identity_tensor((16, 8)))  # (m, k) per register
+                cB = thr.partition_B(cute.make_identity_tensor((32, 8)))  # (n, k)
+                cC = thr.partition_C(cute.make_identity_tensor((16, 32)))  # (m, n)
+                fA1 = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
+                fA2 = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
+                fB1 = cute.make_rmem_tensor(cB.shape, cutlass.TFloat32)
+                fB2 = cute.make_rmem_tensor(cB.shape, cutlass.TFloat32)
+                fA1i = cute.recast_tensor(fA1, cutlass.Int32)
+                fA2i = cute.recast_tensor(fA2, cutlass.Int32)
+                fB1i = cute.recast_tensor(fB1, cutlass.Int32)
+                fB2i = cute.recast_tensor(fB2, cutlass.Int32)
+                acc1 = cute.make_rmem_tensor(cC.shape, f32)
+                acc2 = cute.make_rmem_tensor(cC.shape, f32)
+                nA = cute.size(fA1)
+                nB = cute.size(fB1)
+                nC = cute.size(acc1)
+
             accq = cute.make_rmem_tensor(cute.make_layout(BC), f32)
             acck = cute.make_rmem_tensor(cute.make_layout(BC), f32)
             dkt = cute.make_rmem_tensor(cute.make_layout(BC), f32)
@@ -297,17 +336,47 @@ def _build_kernel_class():
 
                 # -- cross row side: sources s < r0, anchored at the block's first row
                 ga = gs[0]
-                for s4 in cutlass.range(0, r0, 4, unroll=self.xu):
-                    kg0 = f32(sK[s4, d]) * _exp2(ga - sG[s4, d])
-                    kg1 = f32(sK[s4 + 1, d]) * _exp2(ga - sG[s4 + 1, d])
-                    kg2 = f32(sK[s4 + 2, d]) * _exp2(ga - sG[s4 + 2, d])
-                    kg3 = f32(sK[s4 + 3, d]) * _exp2(ga - sG[s4 + 3, d])
-                    c4 = s4 // 4
-                    for r in cutlass.range_constexpr(BC):
-                        aq = sAq4[r0 + r, c4, None].load()
-                        ak = sAk4[r0 + r, c4, None].load()
-                        accq[r] = accq[r] + aq[0] * kg0 + aq[1] * kg1 + aq[2] * kg2 + aq[3] * kg3
-                        acck[r] = acck[r] + ak[0] * kg0 + ak[1] * kg1 + ak[2] * kg2 + ak[3] * kg3
+                if cutlass.const_expr(self.mma):
+                    # (r, d) = sum_s dA[r0 + r, s] * kg[s, d] as a 16 x 32 x 8 tf32 mma step
+                    # per 8 sources, per warp (its 32 columns); A = dA rows, B = kg computed
+                    # at each fragment register's (n, k) coordinate
+                    gaB = [sG[r0, d0 + cB[ei][0]] for ei in range(nB)]
+                    acc1.fill(0.0)
+                    acc2.fill(0.0)
+                    for s8 in cutlass.range(0, r0, 8, unroll=1):
+                        for ei in cutlass.range_constexpr(nA):
+                            ma, ka = cA[ei]
+                            fA1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAq[r0 + ma, s8 + ka]))
+                            fA2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAk[r0 + ma, s8 + ka]))
+                        for ei in cutlass.range_constexpr(nB):
+                            nb, kb2 = cB[ei]
+                            kgv = f32(sK[s8 + kb2, d0 + nb]) * _exp2(gaB[ei] - sG[s8 + kb2, d0 + nb])
+                            fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kgv))
+                        cute.gemm(tmma, acc1, fA1, fB1, acc1)
+                        cute.gemm(tmma, acc2, fA2, fB1, acc2)
+                    # C fragments -> this thread's column, half a tile (8 rows) at a time
+                    for hh in cutlass.range_constexpr(2):
+                        for src, dst in ((acc1, accq), (acc2, acck)):
+                            for ei in cutlass.range_constexpr(nC):
+                                if cutlass.const_expr((ei // 2) % 2 == hh):
+                                    mc, nc = cC[ei]
+                                    sStage[wid, mc - 8 * hh, nc] = src[ei]
+                            cute.arch.sync_warp()
+                            for i8 in cutlass.range_constexpr(8):
+                                dst[8 * hh + i8] = sStage[wid, i8, lane]
+                            cute.arch.sync_warp()
+                else:
+                    for s4 in cutlass.range(0, r0, 4, unroll=self.xu):
+                        kg0 = f32(sK[s4, d]) * _exp2(ga - sG[s4, d])
+                        kg1 = f32(sK[s4 + 1, d]) * _exp2(ga - sG[s4 + 1, d])
+                        kg2 = f32(sK[s4 + 2, d]) * _exp2(ga - sG[s4 + 2, d])
+                        kg3 = f32(sK[s4 + 3, d]) * _exp2(ga - sG[s4 + 3, d])
+                        c4 = s4 // 4
+                        for r in cutlass.range_constexpr(BC):
+                            aq = sAq4[r0 + r, c4, None].load()
+                            ak = sAk4[r0 + r, c4, None].load()
+                            accq[r] = accq[r] + aq[0] * kg0 + aq[1] * kg1 + aq[2] * kg2 + aq[3] * kg3
+                            acck[r] = acck[r] + ak[0] * kg0 + ak[1] * kg1 + ak[2] * kg2 + ak[3] * kg3
                 for r in cutlass.range_constexpr(1, BC):
                     e = _exp2(gs[r] - ga)
                     accq[r] = accq[r] * e
@@ -315,15 +384,45 @@ def _build_kernel_class():
 
                 # -- cross column side: targets r > r0 + 15, anchored at the block's last row
                 gn = gs[BC - 1]
-                for rr in cutlass.range(r0 + BC, BT, unroll=self.xu):
-                    e = _exp2(sG[rr, d] - gn)
-                    qb = f32(sQ[rr, d]) * e
-                    kbb = sBeta[rr] * f32(sK[rr, d]) * e
-                    for c in cutlass.range_constexpr(BC // 4):
-                        aq = sAq4[rr, r0 // 4 + c, None].load()
-                        ak = sAk4[rr, r0 // 4 + c, None].load()
-                        for j in cutlass.range_constexpr(4):
-                            dkt[4 * c + j] = dkt[4 * c + j] + aq[j] * qb + ak[j] * kbb
+                if cutlass.const_expr(self.mma):
+                    # (s, d) = sum_r dAq[r, r0 + s] qb[r, d] + dAk[r, r0 + s] kbb[r, d]: two
+                    # chained mma steps per 8 target rows; A = dA columns (transposed reads)
+                    gnB = [sG[r0 + BC - 1, d0 + cB[ei][0]] for ei in range(nB)]
+                    acc1.fill(0.0)
+                    for r8 in cutlass.range(r0 + BC, BT, 8, unroll=1):
+                        for ei in cutlass.range_constexpr(nA):
+                            ma, ka = cA[ei]
+                            fA1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAq[r8 + ka, r0 + ma]))
+                            fA2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAk[r8 + ka, r0 + ma]))
+                        for ei in cutlass.range_constexpr(nB):
+                            nb, kb2 = cB[ei]
+                            rrow = r8 + kb2
+                            ex = _exp2(sG[rrow, d0 + nb] - gnB[ei])
+                            qbv = f32(sQ[rrow, d0 + nb]) * ex
+                            kbv = sBeta[rrow] * f32(sK[rrow, d0 + nb]) * ex
+                            fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(qbv))
+                            fB2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kbv))
+                        cute.gemm(tmma, acc1, fA1, fB1, acc1)
+                        cute.gemm(tmma, acc1, fA2, fB2, acc1)
+                    for hh in cutlass.range_constexpr(2):
+                        for ei in cutlass.range_constexpr(nC):
+                            if cutlass.const_expr((ei // 2) % 2 == hh):
+                                mc, nc = cC[ei]
+                                sStage[wid, mc - 8 * hh, nc] = acc1[ei]
+                        cute.arch.sync_warp()
+                        for i8 in cutlass.range_constexpr(8):
+                            dkt[8 * hh + i8] = sStage[wid, i8, lane]
+                        cute.arch.sync_warp()
+                else:
+                    for rr in cutlass.range(r0 + BC, BT, unroll=self.xu):
+                        e = _exp2(sG[rr, d] - gn)
+                        qb = f32(sQ[rr, d]) * e
+                        kbb = sBeta[rr] * f32(sK[rr, d]) * e
+                        for c in cutlass.range_constexpr(BC // 4):
+                            aq = sAq4[rr, r0 // 4 + c, None].load()
+                            ak = sAk4[rr, r0 // 4 + c, None].load()
+                            for j in cutlass.range_constexpr(4):
+                                dkt[4 * c + j] = dkt[4 * c + j] + aq[j] * qb + ak[j] * kbb
                 for s in cutlass.range_constexpr(BC - 1):
                     dkt[s] = dkt[s] * _exp2(gn - gs[s])
 
@@ -477,7 +576,7 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
 
 
 # Tuning knobs read per call (bench sweeps them; the defaults are the measured best).
-_TUNE = {"pf": 2, "maxreg": 128, "xu": 1}
+_TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": False}
 
 
 def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
@@ -505,7 +604,7 @@ def _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx=False)
 
     kern = _kernel_class()(
         _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16,
-        _TUNE["pf"], _TUNE["xu"]
+        _TUNE["pf"], _TUNE["xu"], _TUNE["mma"]
     )
     opts = f"--ptxas-options --maxrregcount={_TUNE['maxreg']}" + (" --keep-ptx" if keep_ptx else "")
     return cute.compile(kern, *views, stream, options=opts)
