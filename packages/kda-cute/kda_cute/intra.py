@@ -57,11 +57,19 @@ Measured: NOT YET. This session's share of the shared H200 pool was spent by oth
 before this kernel's turn (see bench/results/intra_2026-11-30.md); `python
 bench/check_intra.py` checks and times it in one call.
 
-Alternatives considered. (1) tf32 mma.sync (`MmaTF32Op`, m16n8k8) for the cross sums, as the
-seed's tcgen05 GEMMs: it would remove ~45% of the issued instructions (the cross FFMAs), but its
-C fragment (2 rows x 2 columns per lane) does not match the column-per-thread ownership, so the
-results must round-trip through ~72 KB of smem staging (one CTA per SM) - left for a measured
-follow-up. (2) bf16 wgmma: cannot carry k exp2(..) in bf16 within 2x of fla's tf32 error.
+Alternatives considered. (1) The cross sums on tf32 mma.sync (`MmaTF32Op`, m16n8k8), as the
+seed's tcgen05 GEMMs: BUILT, opt-in (`_TUNE["mma"]`, env KDA_INTRA_MMA=1). Per warp (its 32
+columns) and block: row side C[16 r, 32 d] += dA[r, s..s+8] kg[s..s+8, d] per 8 sources (q and
+k accumulators share the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per 8
+targets; every fragment register's (m|n, k) coordinate comes from partitioning an identity
+tensor, so the operands (kg, qb, kbb with their exp2 anchors, cvt.rna to tf32) are computed
+straight into registers. The C tile goes to the column-per-thread registers through a per-warp
+8 x 33 smem stage (the C fragment holds 2 rows x 2 columns per lane). smem rows are padded
+(dA 68, g 132, q/k 136) so the fragment loads are conflict-free or 2-way: 112 KB, still two
+CTAs per SM. SASS: 102 instructions per 8 source rows (SIMT: 380), 158 per 8 target rows
+(SIMT: 464), ~5.9k / 5.4k instructions per thread in total (SIMT ~9.3k / 8.6k), no spills
+without fold, i.e. below the memory floor by the issue model. Not the default only because no
+H200 run has checked it yet. (2) bf16 wgmma: cannot carry k exp2(..) in bf16 within 2x of fla's tf32 error.
 (3) A mid-block anchor for the diagonal (fla's safe_gate form, one GEMM per block): positive
 exponents, overflow with strong gates; rejected by the numerics rule. (4) The seed's
 (32 d-groups x 16 row-lanes) thread map: each row is a warp, so db is one butterfly, but the
@@ -70,6 +78,8 @@ lane group; the column map keeps a column's 16 g/k values in registers for the w
 """
 
 
+
+import os
 
 import torch
 
@@ -576,7 +586,10 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
 
 
 # Tuning knobs read per call (bench sweeps them; the defaults are the measured best).
-_TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": False}
+# mma: the cross sums on tf32 mma.sync instead of SIMT fp32 FFMAs (~40% fewer instructions per
+# thread, tf32 like fla's tl.dot); off by default until an H200 run has checked and timed it
+# (bench/check_intra.py runs both); KDA_INTRA_MMA=1 turns it on without a code change.
+_TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": os.environ.get("KDA_INTRA_MMA", "0") == "1"}
 
 
 def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
