@@ -210,14 +210,20 @@ def _build_kernel_class():
             sAk = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(AS, 1)), 16)
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
             sDbp = smem.allocate_tensor(f32, cute.make_layout((BT, self.wpg), stride=(self.wpg, 1)), 16)
-            sTot = smem.allocate_tensor(f32, cute.make_layout((self.ngrp, K), stride=(K, 1)), 16)
+            totl = cute.make_layout((self.ngrp, K), stride=(K, 1))
             if cutlass.const_expr(self.mma):
                 # per-warp staging of an 8 x 32 half of an mma C tile (row stride 33: the
-                # fragment writes are <= 2-way conflicted, the column reads conflict-free)
+                # fragment writes are <= 2-way conflicted, the column reads conflict-free).
+                # The fold's group totals reuse it (they are written after the last staging
+                # read, behind the final barrier): two CTAs per SM need every KB here
+                # (~112 KB dynamic + 1 KB static + 1 KB reserved, x2 <= 228 KB).
                 NW = THREADS // 32
                 sStage = smem.allocate_tensor(
                     f32, cute.make_layout((NW, 8, 32), stride=(8 * 33, 33, 1)), 16
                 )
+                sTot = cute.make_tensor(sStage.iterator, totl)
+            else:
+                sTot = smem.allocate_tensor(f32, totl, 16)
             # 4-wide views along the contiguous mode (one LDS.128 / 16-byte copy each)
             v4 = cute.make_layout((BT, BT // 4, 4), stride=(AS, 4, 1))
             sAq4 = cute.make_tensor(sAq.iterator, v4)
@@ -492,6 +498,8 @@ def _build_kernel_class():
                     if lane == 0:
                         sDbp[row, wig] = v
 
+            if cutlass.const_expr(self.fold_dg and self.mma):
+                cute.arch.sync_threads()  # every warp is done staging before sTot overlays it
             if cutlass.const_expr(self.fold_dg):
                 sTot[grp, d] = run
             cute.arch.sync_threads()
