@@ -241,11 +241,11 @@ def _fla_dg_cumsum(dg, chunk_size):
 
 
 def _fla_l2norm_fwd(x):
-    return _fla("fla.modules.l2norm", "l2norm_fwd")(x)
+    return _fla("fla.modules.norm.l2norm", "l2norm_fwd")(x)
 
 
 def _fla_l2norm_bwd(y, rstd, dy):
-    return _fla("fla.modules.l2norm", "l2norm_bwd")(y, rstd, dy)
+    return _fla("fla.modules.norm.l2norm", "l2norm_bwd")(y, rstd, dy)
 
 
 def _fla_beta_sigmoid_fwd(x, scale):
