@@ -37,3 +37,18 @@ def test_cli_flags_off(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "  dA_log " not in out and "  dh0 " not in out and "  ht " not in out and "  dg " in out
+
+
+@pytest.mark.skipif(not HAVE_CHAIN, reason="kda_chain.chunk_kda not importable yet")
+def test_cli_checks_the_first_sequence_at_large_shapes(monkeypatch, capsys):
+    import kda_witness.cli as cli
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path")
+    monkeypatch.setattr(cli, "CHECK_FULL_LIMIT", 1)  # every shape counts as large
+    argv = ["--B", "2", "--T", "64", "--H", "1", "--HV", "1", "--K", "16", "--V", "16", "--reps", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "the first sequence (B=1" in out and "FAIL" not in out
+    assert main([*argv, "--check-full"]) == 0
+    assert "the whole batch" in capsys.readouterr().out
