@@ -18,6 +18,7 @@ import kda_cute.b1 as b1
 import kda_cute.dhu as dhu
 import kda_cute.fwd as fwd
 import torch
+from cuda_clock import median_ms  # bench/ (this script's directory)
 from kda_cute import reference as ref
 from kda_cute.reference import rel_err
 
@@ -210,22 +211,6 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None):
         ok_all &= ok
     torch.cuda.empty_cache()
     return ok_all
-
-
-def median_ms(fn, warmup=3, reps=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def time_shape(B, T, H, HV, V, variants, dtype=torch.bfloat16):
