@@ -38,7 +38,7 @@ for s in $steps; do
       [ -f bench/check_intra.py ] && step check_intra 200 python bench/check_intra.py
       [ -f bench/check_scans.py ] && step check_scans 200 python bench/check_scans.py ;;
     tests)
-      step gpu_tests ${TESTS_LIMIT:-300} python -m pytest -p no:cacheprovider -v --durations=15 tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
+      step gpu_tests ${TESTS_LIMIT:-300} python -m pytest -p no:cacheprovider -p kda_witness.pytest_plugin -v --durations=15 tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;

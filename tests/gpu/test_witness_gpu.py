@@ -1,0 +1,35 @@
+"""The witness on the GPU: the chain must launch the CuTe kernels, proven from a profiler trace.
+
+The marker (kda_witness's pytest plugin) profiles the test and fails with each stage that fell
+back and its reason. On the device machine, where nothing is installed, load the plugin with
+`-p kda_witness.pytest_plugin` (bench/gpu_suite.sh does).
+"""
+
+import pytest
+import torch
+
+
+def _fwd_bwd(B, T, H, HV, K, V, dtype=torch.bfloat16):
+    from kda_chain import chunk_kda
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*s, dt=dtype):
+        return torch.randn(s, generator=g, device="cuda").to(dt).requires_grad_(True)
+
+    q, k, v, gate, beta = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), r(B, T, HV, K), r(B, T, HV)
+    A_log = torch.zeros(HV, device="cuda")
+    o, _ = chunk_kda(q, k, v, gate, beta.sigmoid(), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                     A_log=A_log)
+    o.backward(torch.randn_like(o))
+    torch.cuda.synchronize()
+
+
+@pytest.mark.witness(kernels=["kda_cute_intra"])
+def test_chain_launches_the_intra_kernel():
+    _fwd_bwd(B=2, T=1024, H=16, HV=16, K=128, V=128)
+
+
+@pytest.mark.witness()  # all four: fails, naming each fallback, until every CuTe stage runs here
+def test_chain_launches_all_four_cute_kernels():
+    _fwd_bwd(B=4, T=2048, H=16, HV=16, K=128, V=256)
