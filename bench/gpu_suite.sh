@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU suite: everything that needs the H200, in one device call. Logs and results go under
-# $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, witness.txt,
-# triton-autotune.tar). Each step has its own time limit, so one slow step cannot eat the call.
+# $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
+# triton-cache.tar.xz). Each step has its own time limit, so one slow step cannot eat the call.
 #
 #   bash bench/gpu_suite.sh [steps]      steps: witness kernels tests bench (default: all)
 #
 # On the device machine, after the devkit (../shared/device/README.md):
-#   source .dev-b/setup.sh || exit $?; bash bench/gpu_suite.sh
+#   source .dev-b/setup.sh || exit $?; bash bench/gpu_suite.sh          (carry .dev-b and .devcache)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/packages/kda-cute:$PWD/chain:$PWD/witness:$PWD/bench:${PYTHONPATH:-}
@@ -26,6 +26,11 @@ step() {  # step NAME LIMIT_S CMD...
   echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
 }
 
+# fla's Triton kernels compile on every fresh machine (over a minute; the devkit restores only
+# their autotune choices). A cache saved by an earlier run, carried as .devcache/, skips that.
+if [ -n "${TRITON_CACHE_DIR:-}" ] && [ -f .devcache/triton-cache.tar.xz ]; then
+  tar -xJf .devcache/triton-cache.tar.xz -C "$TRITON_CACHE_DIR" && echo "restored the Triton cache" | tee -a "$LOG"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
 for s in $steps; do
   case $s in
@@ -45,4 +50,8 @@ for s in $steps; do
   esac
 done
 command -v kda_save_autotune >/dev/null && kda_save_autotune >/dev/null 2>&1
+if [ -n "${TRITON_CACHE_DIR:-}" ]; then  # copy it to .devcache/ here and carry it next time
+  tar -C "$TRITON_CACHE_DIR" -cJf "$OUT/triton-cache.tar.xz" . 2>/dev/null
+  [ "$(stat -c %s "$OUT/triton-cache.tar.xz")" -lt 16000000 ] || rm -f "$OUT/triton-cache.tar.xz"
+fi
 grep -E "^=== " "$LOG"
