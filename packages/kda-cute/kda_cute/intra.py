@@ -8,73 +8,75 @@ exp2(g_r - g_s), r >= s, g the log2 chunk-local cumsum of the gate):
     dq = dq_in + dq2      dk = dk_in + beta dk2 + dkt      db = db_in + sum_d dk2 k
     dg = dg_in + q dq2 + (beta dk2 - dkt) k      (fold_dg: reverse-cumsummed within the chunk)
 
-CTA decomposition. One CTA per (chunk, hv, b): grid (T/64, HV, B), 256 threads. A thread owns
-one key column d (the recurrence above never mixes columns except through db), and the CTA's
-256 / K thread groups split the chunk's four 16-row blocks between them: K = 128 -> 2 groups of
-2 blocks, K = 64 -> 4 groups of 1 block. The split is balanced because every 16-row block i
-carries the same work: its row side reaches back over 16 i source rows and its column side
-forward over 48 - 16 i target rows, 48 rows x 16 x 2 products either way.
+CTA decomposition. One CTA per (chunk, hv, b): grid (T/64, HV, B), 256 threads (8 warps). A
+thread owns one key column d (the recurrence never mixes columns except through db), and the
+256 / K thread groups split the chunk's four 16-row blocks: K = 128 -> 2 groups of 2 blocks,
+K = 64 -> 4 groups of 1 block. Every 16-row block carries the same cross work (its row side
+reaches back over 16 i source rows, its column side forward over 48 - 16 i target rows).
 
-Per block i, per column, all in registers:
-  * cross row side (s in earlier blocks), factorized through the block's first row b = 16 i:
+Per block i (rows r0 = 16 i ..), per column:
+  * cross row side (s < r0), factorized through the block's first row b = r0:
         acc_r = exp2(g_r - g_b) * sum_s dA_rs (k_s exp2(g_b - g_s))
-  * cross column side (r in later blocks), through the block's last row e = 16 i + 15:
+  * cross column side (r > r0 + 15), through the block's last row e = r0 + 15:
         dkt_s = exp2(g_e - g_s) * sum_r dA_rs (q_r | beta_r k_r) exp2(g_r - g_e)
     so every exp2 argument is <= 0 whatever the gate magnitude (a positive exponent overflows
     fp32 with gates near -5 per step);
   * the 16 x 16 diagonal block in SIMT with exactly one exp2 per (r, s, d), shared by the row
-    side and the column side (the same D_rs serves both), rows walked from the last to the
-    first: when row r is reached every r' >= r has already added into dkt_r, so row r is final
-    at once and its outputs leave immediately (no staging of dq/dk/dg), and the same descending
-    walk is the running suffix sum that fold_dg needs.
-The cross sums are fp32 FMAs (fla computes them in tf32 tl.dot; fp32 is the more exact side).
-The boundary factors need no exp2 of their own: exp2(g_r - g_b) and exp2(g_e - g_s) are the
-diagonal's first-column / last-row factors, and the compiler shares them (250 MUFU.EX2 per
-thread, not 310). db's sum over d is a warp butterfly per row plus a 64 x (K/32) smem table.
+    and the column side (the same D_rs serves both), rows walked from the last to the first:
+    when row r is reached every r' >= r has already added into dkt_r, so row r is final at once
+    and its outputs leave immediately (no staging), and the same descending walk is the running
+    suffix sum fold_dg needs (group totals cross groups through smem at the end).
+  The boundary factors exp2(g_r - g_b), exp2(g_e - g_s) are the diagonal's own first-column /
+  last-row factors; the compiler shares them. db: a warp butterfly per row + a smem table.
+
+The cross sums, two ways (`_TUNE["mma"]`; env KDA_INTRA_MMA=0 picks SIMT):
+  * tf32 mma.sync m16n8k8 (default; `cute.nvgpu.warp.MmaTF32Op`), per warp over its 32 columns:
+    row side C[16 r, 32 d] += dA[r, 8 s] kg[8 s, 32 d] per 8 sources (q and k accumulators share
+    the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per 8 targets. Each
+    fragment register's (m|n, k) coordinate comes from partitioning an identity tensor with the
+    thread's MMA slice, so the operands (kg, qb, kbb with their exp2 anchors, then cvt.rna to
+    tf32: fla's tl.dot precision) are computed straight into registers from smem. The C tile
+    (2 rows x 2 columns per lane) reaches the column-per-thread registers through a per-warp
+    8 x 33 smem stage, half a tile at a time.
+  * SIMT fp32 FFMAs: one FFMA per (r, s, d) product, dA as warp-uniform LDS.128 broadcasts;
+    ~100x below fla's error, but ~2x the instructions.
 
 Layouts. Everything of the chunk that more than one thread reads is staged once in smem in its
-gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk and beta in fp32
-(~97 KB at K=128: two CTAs, 16 warps per SM, 128 registers each). Threads of a warp own
-consecutive d, so every per-column smem read is a conflict-free 128 B (fp32) / 64 B (bf16) row
-segment, and every dA read is a warp-uniform broadcast, 4 wide along s (LDS.128). The staging
-loads are 16-byte vectors, all 24 per thread issued before the first store. The incoming
-dq/dk/dg are read and the outputs written straight from registers (coalesced 128 B per warp per
-row) through one per-thread column pointer per tensor: H and HV are compile-time (B and T are
-dynamic), so the row stride is an immediate and a row access costs no index arithmetic. That
-took the per-thread instruction count from ~13.2k to ~9.2k SASS lines' worth (IMAD 959 -> 152).
-The incoming grads of the first rows the diagonal walk finalizes are loaded before the cross
-sums (and later rows `pf` rows ahead), so their latency hides under the FMAs.
+gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk and beta in fp32.
+Threads of a warp own consecutive d, so every per-column smem read is a conflict-free row
+segment, every dA read on the SIMT side a warp-uniform broadcast. For the mma path the rows are
+padded (dA 68, g 132, q/k 136 elements) so fragment loads are conflict-free or 2-way: ~110 KB
+per CTA, still two CTAs (16 warps) per SM (SIMT: ~97 KB). The staging loads are 16-byte vectors,
+all 24 per thread issued before the first store. The incoming dq/dk/dg are read and the outputs
+written straight from registers (coalesced 128 B per warp per row) through one per-thread
+column pointer per tensor: H and HV are compile-time (B and T dynamic), so the row stride is an
+immediate (this took IMAD 959 -> 152 per thread). The incoming grads of the first rows the
+diagonal walk finalizes are loaded before the cross sums, later rows `pf` rows ahead.
 
-Cost model (static, SASS of the K=128 fold_dg build, ptxas 13.0 for sm_90a: 128 registers,
-~100 B spill, all of it outside the FMA loops): per thread ~310 instructions of staging, per
-block ~1.75k of diagonal + epilogue, and the cross loops (row side 190 instructions per 4
-source rows = 128 FFMA; column side 58 per target row = 32 FFMA): ~9.3k instructions per thread
-in group 0, ~8.6k in group 1, ~72k warp-instructions per CTA. At the reference shape
-(32768 CTAs, 248 per SM on 132 SMs) that is ~4.4M issue cycles per SM: ~2.3 ms at 1.98 GHz if
-issue-bound at 4 IPC, against a ~2.4 ms memory floor (9.4 GB moved at 4 TB/s). Expect ~3 ms.
+Validation without a GPU (tests/kda_cute/test_intra_compile.py): the sm_90a PTX the DSL emits is
+executed by a small PTX interpreter on CPU (both paths, fold_dg, GVA, K 64/128, strong gates,
+fp16, emit_bf16 in the bench variant) and matches the float64 reference: SIMT ~3e-8, mma ~1e-5
+relative (tf32), every output written.
 
-Measured: NOT YET. This session's share of the shared H200 pool was spent by other stages
-before this kernel's turn (see bench/results/intra_2026-11-30.md); `python
-bench/check_intra.py` checks and times it in one call.
+Cost model (static; SASS from ptxas 13.0 -arch=sm_90a on the DSL's PTX, K=128): 128 registers.
+mma path: 102 instructions per 8 source rows and 158 per 8 target rows, ~5.9k / 5.4k per thread
+(two groups), ~45k warp-instructions per CTA; at the reference shape (32768 CTAs, 248 per SM)
+~1.4 ms issue-bound at 4 IPC, below the ~2.4 ms memory floor (9.4 GB at 4 TB/s): expect
+~2.5-2.8 ms. SIMT path: 380 / 464 instructions per 8 rows, ~9.3k / 8.6k per thread, ~2.3 ms at
+4 IPC: expect ~3-3.7 ms.
 
-Alternatives considered. (1) The cross sums on tf32 mma.sync (`MmaTF32Op`, m16n8k8), as the
-seed's tcgen05 GEMMs: BUILT, opt-in (`_TUNE["mma"]`, env KDA_INTRA_MMA=1). Per warp (its 32
-columns) and block: row side C[16 r, 32 d] += dA[r, s..s+8] kg[s..s+8, d] per 8 sources (q and
-k accumulators share the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per 8
-targets; every fragment register's (m|n, k) coordinate comes from partitioning an identity
-tensor, so the operands (kg, qb, kbb with their exp2 anchors, cvt.rna to tf32) are computed
-straight into registers. The C tile goes to the column-per-thread registers through a per-warp
-8 x 33 smem stage (the C fragment holds 2 rows x 2 columns per lane). smem rows are padded
-(dA 68, g 132, q/k 136) so the fragment loads are conflict-free or 2-way: 112 KB, still two
-CTAs per SM. SASS: 102 instructions per 8 source rows (SIMT: 380), 158 per 8 target rows
-(SIMT: 464), ~5.9k / 5.4k instructions per thread in total (SIMT ~9.3k / 8.6k), no spills
-without fold, i.e. below the memory floor by the issue model. Not the default only because no
-H200 run has checked it yet. (2) bf16 wgmma: cannot carry k exp2(..) in bf16 within 2x of fla's tf32 error.
-(3) A mid-block anchor for the diagonal (fla's safe_gate form, one GEMM per block): positive
-exponents, overflow with strong gates; rejected by the numerics rule. (4) The seed's
-(32 d-groups x 16 row-lanes) thread map: each row is a warp, so db is one butterfly, but the
-diagonal triangle then needs a row-dependent trip count and every row of q/k/g is re-read per
-lane group; the column map keeps a column's 16 g/k values in registers for the whole block.
+Measured: NOT YET. This session's share of the shared H200 pool was spent before this kernel's
+turn (bench/results/intra_2026-11-30.md); `python bench/check_intra.py` checks both paths
+against float64 and fla and times them against fla in one call.
+
+Alternatives considered. (1) bf16 wgmma for the cross sums: cannot carry k exp2(..) in bf16
+within 2x of fla's tf32 error. (2) A mid-block anchor for the diagonal (fla's safe_gate form,
+one GEMM per block): positive exponents, overflow with strong gates; rejected by the numerics
+rule. (3) The seed's (32 d-groups x 16 row-lanes) thread map: each row is a warp, so db is one
+butterfly, but the triangle needs row-dependent trip counts and q/k/g rows are re-read per lane
+group; the column map keeps a column's 16 g/k values in registers for the whole block. (4) mma
+C fragments consumed in place (no smem stage): the diagonal would then need 8 columns x 16 rows
+of g/k per lane, far over the register budget.
 """
 
 
@@ -594,10 +596,10 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
 
 
 # Tuning knobs read per call (bench sweeps them; the defaults are the measured best).
-# mma: the cross sums on tf32 mma.sync instead of SIMT fp32 FFMAs (~40% fewer instructions per
-# thread, tf32 like fla's tl.dot); off by default until an H200 run has checked and timed it
-# (bench/check_intra.py runs both); KDA_INTRA_MMA=1 turns it on without a code change.
-_TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": os.environ.get("KDA_INTRA_MMA", "0") == "1"}
+# mma: the cross sums on tf32 mma.sync (the default: ~40% fewer instructions per thread, tf32
+# like fla's tl.dot) or, with KDA_INTRA_MMA=0, as SIMT fp32 FFMAs (~100x below fla's error, but
+# issue-bound). bench/check_intra.py checks and times both on the GPU.
+_TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": os.environ.get("KDA_INTRA_MMA", "1") != "0"}
 
 
 def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
