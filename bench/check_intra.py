@@ -203,7 +203,8 @@ def main():
         alt = "mma" if not intra._TUNE["mma"] else "simt"
         shapes += [(f"[{alt}] " + n, *rest) for n, *rest in shapes[:1] + shapes[4:5] + shapes[6:7]]
         if not a.quick:  # the reference shape (float64 on batch 0), no new compile: run it early
-            shapes.insert(2, ("B16 T8192 H16 K128 bf16 (ref b0)", 16, 8192, 16, 16, 128, torch.bfloat16, -0.5))
+            ref_shape = ("B16 T8192 H16 K128 bf16 (ref b0)", 16, 8192, 16, 16, 128, torch.bfloat16, -0.5)
+            shapes.insert(2, ref_shape)
         for name, B, T, H, HV, K, dt, gmin in shapes:
             flip = name.startswith("[")
             if flip:
