@@ -29,17 +29,18 @@ Per block i (rows r0 = 16 i ..), per column:
   The boundary factors exp2(g_r - g_b), exp2(g_e - g_s) are the diagonal's own first-column /
   last-row factors; the compiler shares them. db: a warp butterfly per row + a smem table.
 
-The cross sums, two ways (`_TUNE["mma"]`; env KDA_INTRA_MMA=0 picks SIMT):
-  * tf32 mma.sync m16n8k8 (default; `cute.nvgpu.warp.MmaTF32Op`), per warp over its 32 columns:
+The cross sums, two ways (`_TUNE["mma"]`; env KDA_INTRA_MMA=1 picks mma):
+  * SIMT fp32 FFMAs (default, measured): one FFMA per (r, s, d) product, dA as warp-uniform
+    LDS.128 broadcasts; ~1000x below fla's error.
+  * tf32 mma.sync m16n8k8 (`cute.nvgpu.warp.MmaTF32Op`), per warp over its 32 columns:
     row side C[16 r, 32 d] += dA[r, 8 s] kg[8 s, 32 d] per 8 sources (q and k accumulators share
     the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per 8 targets. Each
     fragment register's (m|n, k) coordinate comes from partitioning an identity tensor with the
     thread's MMA slice, so the operands (kg, qb, kbb with their exp2 anchors, then cvt.rna to
     tf32: fla's tl.dot precision) are computed straight into registers from smem. The C tile
     (2 rows x 2 columns per lane) reaches the column-per-thread registers through a per-warp
-    8 x 33 smem stage, half a tile at a time.
-  * SIMT fp32 FFMAs: one FFMA per (r, s, d) product, dA as warp-uniform LDS.128 broadcasts;
-    ~100x below fla's error, but ~2x the instructions.
+    8 x 33 smem stage, half a tile at a time. ~40% fewer instructions than SIMT; not yet run
+    on a GPU (validated by PTX emulation, below).
 
 Layouts. Everything of the chunk that more than one thread reads is staged once in smem in its
 gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk and beta in fp32.
@@ -58,16 +59,19 @@ executed by a small PTX interpreter on CPU (both paths, fold_dg, GVA, K 64/128, 
 fp16, emit_bf16 in the bench variant) and matches the float64 reference: SIMT ~3e-8, mma ~1e-5
 relative (tf32), every output written.
 
-Cost model (static; SASS from ptxas 13.0 -arch=sm_90a on the DSL's PTX, K=128): 128 registers.
-mma path: 102 instructions per 8 source rows and 158 per 8 target rows, ~5.9k / 5.4k per thread
-(two groups), ~45k warp-instructions per CTA; at the reference shape (32768 CTAs, 248 per SM)
-~1.4 ms issue-bound at 4 IPC, below the ~2.4 ms memory floor (9.4 GB at 4 TB/s): expect
-~2.5-2.8 ms. SIMT path: 380 / 464 instructions per 8 rows, ~9.3k / 8.6k per thread, ~2.3 ms at
-4 IPC: expect ~3-3.7 ms.
+Measured (H200, 2026-11-30, SIMT path at commit 30dfa84, bench/results/intra_2026-11-30.md):
+B16 T8192 H=HV=16 K128 bf16: 4.95 ms with fold_dg (4.88 without) against fla's 15.04 ms intra +
+0.69 ms dg cumsum: 3.18x, short of the 4x / 3.8 ms target (memory floor ~2.4 ms). B2 T4096 H16:
+0.53 ms vs 1.19 ms (2.26x). Errors vs float64 2.5e-8..1e-7 against fla's 1e-6..8e-5, all 8 check
+shapes pass; runs bitwise identical; emit_bf16 equals the cast.
 
-Measured: NOT YET. This session's share of the shared H200 pool was spent before this kernel's
-turn (bench/results/intra_2026-11-30.md); `python bench/check_intra.py` checks both paths
-against float64 and fla and times them against fla in one call.
+Cost model (static; SASS from ptxas 13.0 -arch=sm_90a on the DSL's PTX, K=128). SIMT path: 380
+/ 464 instructions per 8 source / target rows, ~9.3k / 8.6k per thread (two groups), ~72k
+warp-instructions per CTA, which predicted ~2.3 ms issue-bound at 4 IPC; measured 4.95 ms, so
+the kernel runs at ~2 IPC per SM: latency-bound (16 warps per SM; a CTA's 24 staging loads are
+not overlapped with its own compute, only with the other CTA's). mma path: 102 / 158
+instructions per 8 rows, ~5.9k / 5.4k per thread, ~45k warp-instructions per CTA; by the same
+~2 IPC that is ~3.1 ms (the next thing to measure: KDA_INTRA_MMA=1 bench/check_intra.py).
 
 Alternatives considered. (1) bf16 wgmma for the cross sums: cannot carry k exp2(..) in bf16
 within 2x of fla's tf32 error. (2) A mid-block anchor for the diagonal (fla's safe_gate form,
@@ -596,10 +600,11 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
 
 
 # Tuning knobs read per call (bench sweeps them; the defaults are the measured best).
-# mma: the cross sums on tf32 mma.sync (the default: ~40% fewer instructions per thread, tf32
-# like fla's tl.dot) or, with KDA_INTRA_MMA=0, as SIMT fp32 FFMAs (~100x below fla's error, but
-# issue-bound). bench/check_intra.py checks and times both on the GPU.
-_TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": os.environ.get("KDA_INTRA_MMA", "1") != "0"}
+# mma: the cross sums as SIMT fp32 FFMAs (the default: the path measured on the H200, 4.95 ms at
+# the reference shape, ~1000x below fla's error) or, with KDA_INTRA_MMA=1, on tf32 mma.sync (~40%
+# fewer instructions per thread, tf32 like fla's tl.dot; validated by PTX emulation only, not yet
+# run on a GPU). bench/check_intra.py checks and times both.
+_TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": os.environ.get("KDA_INTRA_MMA", "0") == "1"}
 
 
 def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
