@@ -29,7 +29,7 @@ Per block i (rows r0 = 16 i ..), per column:
   The boundary factors exp2(g_r - g_b), exp2(g_e - g_s) are the diagonal's own first-column /
   last-row factors; the compiler shares them. db: a warp butterfly per row + a smem table.
 
-The cross sums, two ways (`_TUNE["mma"]`; env KDA_INTRA_MMA=1 picks mma):
+The cross sums, two ways (`_TUNE["mma"]`, flipped only by bench/check_intra.py):
   * SIMT fp32 FFMAs (default, measured): one FFMA per (r, s, d) product, dA as warp-uniform
     LDS.128 broadcasts; ~1000x below fla's error.
   * tf32 mma.sync m16n8k8 (`cute.nvgpu.warp.MmaTF32Op`), per warp over its 32 columns:
@@ -71,7 +71,7 @@ warp-instructions per CTA, which predicted ~2.3 ms issue-bound at 4 IPC; measure
 the kernel runs at ~2 IPC per SM: latency-bound (16 warps per SM; a CTA's 24 staging loads are
 not overlapped with its own compute, only with the other CTA's). mma path: 102 / 158
 instructions per 8 rows, ~5.9k / 5.4k per thread, ~45k warp-instructions per CTA; by the same
-~2 IPC that is ~3.1 ms (the next thing to measure: KDA_INTRA_MMA=1 bench/check_intra.py).
+~2 IPC that is ~3.1 ms (the next thing to measure: bench/check_intra.py times both paths).
 
 Alternatives considered. (1) bf16 wgmma for the cross sums: cannot carry k exp2(..) in bf16
 within 2x of fla's tf32 error. (2) A mid-block anchor for the diagonal (fla's safe_gate form,
@@ -85,7 +85,6 @@ of g/k per lane, far over the register budget.
 
 
 
-import os
 
 import torch
 
@@ -601,10 +600,11 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
 
 # Tuning knobs read per call (bench sweeps them; the defaults are the measured best).
 # mma: the cross sums as SIMT fp32 FFMAs (the default: the path measured on the H200, 4.95 ms at
-# the reference shape, ~1000x below fla's error) or, with KDA_INTRA_MMA=1, on tf32 mma.sync (~40%
+# the reference shape, ~1000x below fla's error) or on tf32 mma.sync (~40%
 # fewer instructions per thread, tf32 like fla's tl.dot; validated by PTX emulation only, not yet
 # run on a GPU). bench/check_intra.py checks and times both.
-_TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": os.environ.get("KDA_INTRA_MMA", "0") == "1"}
+# Whichever measures faster and passes becomes the default; the other is deleted, not kept.
+_TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": False}
 
 
 def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
