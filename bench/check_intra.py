@@ -17,6 +17,7 @@ import sys
 
 import kda_cute.intra as intra
 import torch
+from cuda_clock import median_ms  # bench/ (this script's directory)
 from kda_cute import reference as ref
 from kda_cute.reference import rel_err
 
@@ -121,22 +122,6 @@ def check_shape(name, B, T, H, HV, K, dtype=torch.bfloat16, gmin=-0.5, ref_batch
     del args, o, of, o2, f, r, rf
     torch.cuda.empty_cache()
     return ok
-
-
-def median_ms(fn, warmup=5, reps=30):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def time_shape(B, T, H, HV, K, dtype=torch.bfloat16):

@@ -25,7 +25,7 @@ def cuda_now() -> float:
     return _state["t"]
 
 
-def median_ms(fn, *, warmup: int = 3, reps: int = 20) -> float:
+def median_ms(fn, *, warmup: int = 5, reps: int = 30) -> float:
     """Median device time of fn() over reps, CUDA events around each call, after warm-up."""
     for _ in range(warmup):
         fn()
