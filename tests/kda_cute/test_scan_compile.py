@@ -122,3 +122,16 @@ def test_static_reasons():
     assert "dht" in dhu.static_reason(
         d["qg"], d["kg"], d["w"], d["gk"], None, d["h0"][:, :2].contiguous(), d["do"], d["dv"]
     )
+
+
+def test_unvalidated_scans_are_not_offered_to_the_chain(monkeypatch):
+    """On a GPU that passes every other check, is_supported still refuses until the H200 run."""
+    d = _t()
+    for mod in (b1, fwd, dhu):
+        monkeypatch.setattr(mod, "device_reason", lambda t: None)
+    no = b1.UNVALIDATED
+    assert b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False) == no
+    assert fwd.is_supported(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], None, False, 0.1) == no
+    assert dhu.is_supported(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1) == no
+    monkeypatch.setattr(b1, "GPU_VALIDATED", True)
+    assert b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False) is None

@@ -23,7 +23,8 @@ no local memory); NOT yet run on a GPU - the session's shared device pool fell b
 integrator's reserve while this was queued, so there are no measured numbers and no GPU
 correctness result yet. `python bench/check_scans.py` (part of bench/gpu_suite.sh) measures
 correctness against fla and float64 and times the variants (stages 1/2 x warpgroups 1/2);
-set the module's STAGES / WARPGROUPS / GRID_FLOOR from its table.
+set the module's STAGES / WARPGROUPS / GRID_FLOOR from its table. Until it passes there,
+is_supported refuses (b1.GPU_VALIDATED) so the chain runs fla with that reason.
 
 Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
 chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
@@ -35,6 +36,7 @@ plus the token accumulators would spill).
 
 import torch
 
+from . import b1
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
 from .b1 import _DT, S, _cutlass_dtype, _dummy
@@ -276,10 +278,8 @@ def _dhu_kernel(cfg):
 
 # ------------------------------------------------------------------------------------ host side
 def is_supported(qg, kg, w, gk, h0, dht, do, dv, scale=None) -> str | None:
-    r = device_reason(do)
-    if r:
-        return r
-    return static_reason(qg, kg, w, gk, h0, dht, do, dv)
+    r = device_reason(do) or static_reason(qg, kg, w, gk, h0, dht, do, dv)
+    return r or (None if b1.GPU_VALIDATED else b1.UNVALIDATED)
 
 
 def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:

@@ -22,7 +22,8 @@ no local memory); NOT yet run on a GPU - the session's shared device pool fell b
 integrator's reserve while this was queued, so there are no measured numbers and no GPU
 correctness result yet. `python bench/check_scans.py` (part of bench/gpu_suite.sh) measures
 correctness against fla and float64 and times the variants (stages 1/2 x warpgroups 1/2);
-set the module's STAGES / WARPGROUPS / GRID_FLOOR from its table.
+set the module's STAGES / WARPGROUPS / GRID_FLOOR from its table. Until it passes there,
+is_supported refuses (b1.GPU_VALIDATED) so the chain runs fla with that reason.
 
 Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
 chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
@@ -34,6 +35,7 @@ plus the token accumulators would spill).
 
 import torch
 
+from . import b1
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
 from .b1 import _DT, S, _cutlass_dtype, _dummy
@@ -278,10 +280,8 @@ def _fwd_kernel(cfg):
 def is_supported(
     q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None
 ) -> str | None:
-    r = device_reason(u)
-    if r:
-        return r
-    return static_reason(q, kg, w, u, gk, Aqk, initial_state)
+    r = device_reason(u) or static_reason(q, kg, w, u, gk, Aqk, initial_state)
+    return r or (None if b1.GPU_VALIDATED else b1.UNVALIDATED)
 
 
 def static_reason(q, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
