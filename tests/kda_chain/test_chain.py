@@ -163,3 +163,47 @@ def test_is_supported_names_a_reason_per_cute_stage():
     assert set(r) == {"fwd", "b1", "dhu", "intra"}
     assert all(reason and "cute: " in reason for reason in r.values())
     assert "chunk_size 32" in is_supported(q, v, chunk_size=32)["intra"]
+
+
+def test_fla_adapters_bind_to_fla_signatures(monkeypatch):
+    """Each fla adapter's call must bind to the real fla 0.6.0 function's signature (the kernels
+    themselves need CUDA; this catches a renamed or misspelled argument on CPU)."""
+    import importlib
+    import inspect
+
+    pytest.importorskip("fla")
+    bound = []
+
+    def fake(path, name):
+        sig = inspect.signature(getattr(importlib.import_module(path), name))
+
+        def call(*args, **kwargs):
+            sig.bind(*args, **kwargs)
+            bound.append(name)
+            n = {"chunk_gated_delta_rule_fwd_h": 3}.get(name, 6)
+            return (torch.zeros(1),) * n
+
+        return call
+
+    monkeypatch.setattr(S, "_fla", fake)
+    t = torch.zeros(1)
+    calls = [
+        lambda: S._fla_gate_chunk_cumsum(t, t, t, None, 64, True),
+        lambda: S._fla_gate_chunk_cumsum(t, None, None, None, 64, False),
+        lambda: S._fla_fwd_intra(t, t, t, t, t, 0.1, 64),
+        lambda: S._fla_fwd_scan(t, t, t, t, t, t, None, True, 0.1),
+        lambda: S._fla_recompute_w_u(t, t, t, t, t, t),
+        lambda: S._fla_bwd_dAv(t, t, t, t, t, 0.1),
+        lambda: S._fla_bwd_dhu(t, t, t, t, None, None, t, t, 0.1),
+        lambda: S._fla_bwd_wy_dqkg(t, t, t, t, t, t, t, t, t, t, t, 0.1),
+        lambda: S._fla_bwd_intra(t, t, t, t, t, t, t, t, t, t),
+        lambda: S._fla_dg_cumsum(t, 64),
+        lambda: S._fla_l2norm_fwd(t),
+        lambda: S._fla_l2norm_bwd(t, t, t),
+        lambda: S._fla_beta_sigmoid_fwd(t, 1.0),
+        lambda: S._fla_beta_sigmoid_bwd(t, t, 1.0),
+        lambda: S._fla_gate_bwd(t, t, t, t, None),
+    ]
+    for c in calls:
+        c()
+    assert len(bound) == 16  # fwd_scan binds two fla functions
