@@ -261,11 +261,6 @@ def _fla_gate_bwd(g, A_log, dt_bias, dyg, lower_bound):
     return f(g=g, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
 
 
-def _fla_gva_sum(x, H):
-    # fla sums the group with a torch view + sum; same math as the reference, on any device.
-    return ref.gva_sum(x, H)
-
-
 # ---------------------------------------------------------------------------------------------
 # the table
 
@@ -284,9 +279,10 @@ def _two(name: str, fla_fn: Callable) -> Stage:
     return Stage(name, [Impl("fla", fla_gate, fla_fn), Impl("reference", _always, _ref(name))])
 
 
-def _three(name: str, module: str, fla_fn: Callable) -> Stage:
+def _three(name: str, fla_fn: Callable) -> Stage:
+    """A stage with a CuTe kernel: kda_cute.<name>, then fla, then the reference."""
     fn = _REF_NAME[name]
-    return Stage(name, [cute_impl(name, module, fn), Impl("fla", fla_gate, fla_fn),
+    return Stage(name, [cute_impl(name, name, fn), Impl("fla", fla_gate, fla_fn),
                         Impl("reference", _always, _ref(fn))])
 
 
@@ -295,15 +291,16 @@ _REF_NAME = {"fwd": "fwd_scan", "b1": "fwd_h", "dhu": "bwd_dhu", "intra": "bwd_i
 
 gate_chunk_cumsum = _two("gate_chunk_cumsum", _fla_gate_chunk_cumsum)
 fwd_intra = _two("fwd_intra", _fla_fwd_intra)
-fwd = _three("fwd", "fwd", _fla_fwd_scan)
+fwd = _three("fwd", _fla_fwd_scan)
 recompute_w_u = _two("recompute_w_u", _fla_recompute_w_u)
-b1 = _three("b1", "b1", _fla_fwd_h)
+b1 = _three("b1", _fla_fwd_h)
 bwd_dAv = Stage("bwd_dAv", [Impl("fla", fla_gate, _fla_bwd_dAv), Impl("reference", _always, _ref_bwd_dAv)])
-dhu = _three("dhu", "dhu", _fla_bwd_dhu)
+dhu = _three("dhu", _fla_bwd_dhu)
 bwd_wy_dqkg = _two("bwd_wy_dqkg", _fla_bwd_wy_dqkg)
-intra = _three("intra", "intra", _fla_bwd_intra)
+intra = _three("intra", _fla_bwd_intra)
 dg_cumsum = _two("dg_cumsum", _fla_dg_cumsum)
-gva_sum = _two("gva_sum", _fla_gva_sum)
+# fla sums the GVA group with a torch view + sum too: one implementation on every device.
+gva_sum = Stage("gva_sum", [Impl("reference", _always, _ref("gva_sum"))])
 l2norm_fwd = _two("l2norm_fwd", _fla_l2norm_fwd)
 l2norm_bwd = _two("l2norm_bwd", _fla_l2norm_bwd)
 beta_sigmoid_fwd = _two("beta_sigmoid_fwd", _fla_beta_sigmoid_fwd)

@@ -112,12 +112,6 @@ def alloc(shape: Sequence[int], dtype: torch.dtype, device, fill: float | None =
 
 
 @dataclass
-class _Entry:
-    views: tuple
-    stream: object
-
-
-@dataclass
 class CallCache:
     """Two-level cache for one stage's kernel (see the module docstring).
 
@@ -145,22 +139,21 @@ class CallCache:
     ) -> None:
         handle, stream = current_stream(args[0].device)
         view_key = (compile_key, handle, tuple(tensor_sig(t) for t in args))
-        entry = self.entries.get(view_key)
-        if entry is None:
+        views = self.entries.get(view_key)
+        if views is None:
             with self.lock:
-                entry = self.entries.get(view_key)
-                if entry is None:
+                views = self.entries.get(view_key)
+                if views is None:
                     views = tuple(cute_view(t, d) for t, d in zip(args, dyn_modes, strict=True))
                     if compile_key not in self.compiled:
                         self.compiled[compile_key] = build(views, stream, *extra)
                         self.compiles += 1
                     release_keepalives(*views)
-                    entry = _Entry(views, stream)
-                    self.entries[view_key] = entry
+                    self.entries[view_key] = views
                     self.marshals += 1
-        for ct, t in zip(entry.views, args, strict=True):
+        for ct, t in zip(views, args, strict=True):
             retarget(ct, t)
-        self.compiled[compile_key](*entry.views, entry.stream, *extra)
+        self.compiled[compile_key](*views, stream, *extra)
 
     def clear(self) -> None:
         with self.lock:
