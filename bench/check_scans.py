@@ -8,7 +8,10 @@ must come back finite; two runs must be bitwise identical. Inputs are realistic:
 Timing: CUDA events per call, warm, median: ours vs fla's fwd_h, fwd_h + fwd_o, bwd_dhu at
 B16 T8192 H16 K128 V256 and a small shape. The table is printed last.
 
-    python bench/check_scans.py [--quick] [--no-time] [--no-check] [--no-wg2]
+    python bench/check_scans.py [--quick] [--no-time] [--no-check] [--no-wg2] [--stage b1|fwd|dhu]
+
+bench/gpu_suite.sh runs one process per stage: a scan that hangs on the GPU (a lost mbarrier
+phase) then costs only its own step's time limit, and the other two still report.
 """
 
 import argparse
@@ -25,6 +28,7 @@ from kda_cute.reference import rel_err
 RCP_LN2 = 1.0 / math.log(2.0)
 MODS = (b1, fwd, dhu)
 _poison = {"on": False}
+ONLY: set = {"b1", "fwd", "dhu"}  # --stage narrows it
 
 
 def _wrap_alloc(mod):
@@ -179,6 +183,8 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None):
             ("dh", "dh0", "dv2"),
         ),
     ):
+        if stage not in ONLY:
+            continue
         try:
             o = poisoned(o_fn, d, var)
             o2 = o_fn(d, var)
@@ -222,6 +228,8 @@ def time_shape(B, T, H, HV, V, variants, dtype=torch.bfloat16):
         ("fwd", ours_fwd, fla_fwd),
         ("dhu", ours_dhu, fla_dhu),
     ):
+        if stage not in ONLY:
+            continue
         try:
             tf = median_ms(lambda f_fn=f_fn: f_fn(d))
             ts = {v: median_ms(lambda v=v, o_fn=o_fn: o_fn(d, v)) for v in variants}
@@ -262,7 +270,10 @@ def main():
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-wg2", action="store_true", help="skip the 2-warpgroup variants")
+    ap.add_argument("--stage", choices=sorted(ONLY), action="append", help="only this stage (repeatable)")
     a = ap.parse_args()
+    if a.stage:
+        ONLY.intersection_update(a.stage)
     for m in MODS:
         m.GRID_FLOOR = 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)

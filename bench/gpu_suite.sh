@@ -3,7 +3,12 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]      steps: witness kernels tests bench (default: all)
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans tests bench save (default: all)
+#
+# On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
+#   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash bench/gpu_suite.sh scans bench) &
+#   (CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b bash bench/gpu_suite.sh tests witness) &
+#   wait; bash bench/gpu_suite.sh save
 #
 # On the device machine, after the devkit (../shared/device/README.md):
 #   source .dev-b/setup.sh || exit $?; bash bench/gpu_suite.sh          (carry .dev-b and .devcache)
@@ -14,7 +19,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kda-suite}
 mkdir -p "$OUT"
 LOG=$OUT/suite.log
-steps=${*:-witness kernels tests bench}
+steps=${*:-witness intra scans tests bench save}
 
 step() {  # step NAME LIMIT_S CMD...
   local name=$1 limit=$2 t0 rc
@@ -28,7 +33,8 @@ step() {  # step NAME LIMIT_S CMD...
 
 # fla's Triton kernels compile on every fresh machine (over a minute; the devkit restores only
 # their autotune choices). A cache saved by an earlier run, carried as .devcache/, skips that.
-if [ -n "${TRITON_CACHE_DIR:-}" ] && [ -f .devcache/triton-cache.tar.xz ]; then
+if [ -n "${TRITON_CACHE_DIR:-}" ] && [ -f .devcache/triton-cache.tar.xz ] \
+   && mkdir "$TRITON_CACHE_DIR/.kda-restore" 2>/dev/null; then  # once per machine, also with two lanes
   tar -xJf .devcache/triton-cache.tar.xz -C "$TRITON_CACHE_DIR" && echo "restored the Triton cache" | tee -a "$LOG"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
@@ -39,19 +45,21 @@ for s in $steps; do
       python -m kda_witness --require-cute --reps 1 --B 2 --T 1024 >>"$LOG" 2>&1
       echo "=== witness --require-cute (B2 T1024) rc=$?" | tee -a "$LOG"
       ;;
-    kernels)
-      [ -f bench/check_intra.py ] && step check_intra 200 python bench/check_intra.py
-      [ -f bench/check_scans.py ] && step check_scans 200 python bench/check_scans.py ;;
+    intra)
+      step check_intra 200 python bench/check_intra.py ;;
+    scans)  # one process per scan: a hang costs only its own limit
+      for st in b1 fwd dhu; do step "check_scans_$st" ${SCAN_LIMIT:-150} python bench/check_scans.py --stage $st; done ;;
     tests)
       step gpu_tests ${TESTS_LIMIT:-300} python -m pytest -p no:cacheprovider -p kda_witness.pytest_plugin -v --durations=15 tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
+    save)  # fla's autotune choices and compiled kernels: copy them to .dev-b/ and .devcache/ here
+      command -v kda_save_autotune >/dev/null && kda_save_autotune >/dev/null 2>&1
+      if [ -n "${TRITON_CACHE_DIR:-}" ]; then
+        tar -C "$TRITON_CACHE_DIR" -cJf "$OUT/triton-cache.tar.xz" . 2>/dev/null
+        [ "$(stat -c %s "$OUT/triton-cache.tar.xz")" -lt 16000000 ] || rm -f "$OUT/triton-cache.tar.xz"
+      fi ;;
   esac
 done
-command -v kda_save_autotune >/dev/null && kda_save_autotune >/dev/null 2>&1
-if [ -n "${TRITON_CACHE_DIR:-}" ]; then  # copy it to .devcache/ here and carry it next time
-  tar -C "$TRITON_CACHE_DIR" -cJf "$OUT/triton-cache.tar.xz" . 2>/dev/null
-  [ "$(stat -c %s "$OUT/triton-cache.tar.xz")" -lt 16000000 ] || rm -f "$OUT/triton-cache.tar.xz"
-fi
 grep -E "^=== " "$LOG"
