@@ -15,7 +15,10 @@ phase) then costs only its own step's time limit, and the other two still report
 """
 
 import argparse
+import faulthandler
 import math
+import sys
+import time
 
 import kda_cute.b1 as b1
 import kda_cute.dhu as dhu
@@ -29,6 +32,12 @@ RCP_LN2 = 1.0 / math.log(2.0)
 MODS = (b1, fwd, dhu)
 _poison = {"on": False}
 ONLY: set = {"b1", "fwd", "dhu"}  # --stage narrows it
+_T0 = time.perf_counter()
+
+
+def say(msg):
+    """Timestamped progress: on a hang, the last line and the stack dump say where."""
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
 def _wrap_alloc(mod):
@@ -144,7 +153,9 @@ def _cmp(label, ours_t, fla_t, ref_t, nb):
 
 
 def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None):
+    say(f"{name}: inputs (fla intra / recompute)")
     d = make_inputs(B, T, H, HV, V, dtype, h0=h0)
+    torch.cuda.synchronize()
     nb = B if ref_batches is None else ref_batches
     d64 = _sub(d, nb)
     ok_all = True
@@ -186,7 +197,10 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None):
         if stage not in ONLY:
             continue
         try:
+            say(f"{stage} {name}: ours (compile + launch)")
             o = poisoned(o_fn, d, var)
+            torch.cuda.synchronize()
+            say(f"{stage} {name}: ours synced; repeat, fla, float64")
             o2 = o_fn(d, var)
             f = f_fn(d)
             torch.cuda.synchronize()
@@ -271,7 +285,9 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-wg2", action="store_true", help="skip the 2-warpgroup variants")
     ap.add_argument("--stage", choices=sorted(ONLY), action="append", help="only this stage (repeatable)")
+    ap.add_argument("--stack-every", type=float, default=45.0, help="dump Python stacks every S s (hangs)")
     a = ap.parse_args()
+    faulthandler.dump_traceback_later(a.stack_every, repeat=True, file=sys.stdout)
     if a.stage:
         ONLY.intersection_update(a.stage)
     for m in MODS:

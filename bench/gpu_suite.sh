@@ -49,8 +49,8 @@ for s in $steps; do
       step check_intra 200 python bench/check_intra.py ;;
     scans)  # one process per scan: a hang costs only its own limit
       for st in b1 fwd dhu; do step "check_scans_$st" ${SCAN_LIMIT:-150} python bench/check_scans.py --stage $st; done ;;
-    tests)
-      step gpu_tests ${TESTS_LIMIT:-300} python -m pytest -p no:cacheprovider -p kda_witness.pytest_plugin -v --durations=15 tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
+    tests)  # pytest-timeout (on the GPU image) dumps every thread's stack if a test hangs
+      step gpu_tests ${TESTS_LIMIT:-300} python -m pytest -p no:cacheprovider -p kda_witness.pytest_plugin -v --durations=15 --timeout=${TEST_TIMEOUT:-150} tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
