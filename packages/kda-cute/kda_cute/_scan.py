@@ -8,7 +8,7 @@ All three scans have the same skeleton, so it lives here once:
     Aqk and gk's row) in smem: half the L2->SM traffic and smem for those, and two stages of
     prefetch fit where nwg = 1 fits one at two CTAs per SM. Each warpgroup keeps its own
     state, its own bf16 state / output buffers and its own TMA stores (issued by its thread 0);
-    thread 0 of the CTA issues every load;
+    warp 0 of the CTA issues every load (a TMA copy elects its lane over the whole warp);
   * the state S (h or dh) is [K=128, 64] fp32, held as the accumulator of a warpgroup MMA
     (`mma_kv`: M = 128 state rows (two 64-row atoms), N = 64, reduction over the 64 tokens of
     a chunk), so the update `S = exp2(gd) * S + X^T Y` is a row scale of the accumulator
@@ -18,7 +18,7 @@ All three scans have the same skeleton, so it lives here once:
     tokens, N = 64, reduction over K = 128) reads, and the same buffer is the source of the
     TMA bulk store of the per-chunk checkpoint (h / dh) - one smem write serves both;
   * per-chunk operand tiles arrive by TMA into an S-stage ring guarded by one mbarrier per
-    stage (thread 0 refills stage c % S with chunk c + S once every thread is done with it),
+    stage (warp 0 refills stage c % S with chunk c + S once every thread is done with it),
     so loads for later chunks are in flight while the serial recurrence runs;
   * per-chunk bf16 outputs (v_new, o, dv2) are staged in smem (the v_new / dv2 buffer is also
     the B operand of the state GEMM) and leave by TMA store; TMA clips the rows past T of the
@@ -37,7 +37,7 @@ Per chunk, one warpgroup (b1 shown; fwd and dhu add their GEMMs to the same two 
     wait the stage's mbarrier;  wgmma group 1 (token GEMMs reading the bf16 state)
     epilogue in the accumulator layout (u - P, dv + P) -> bf16 smem;  fence + barrier
     wgmma group 2 (state GEMM accumulating into S);  leader: wait bulk-store reads;  barrier
-    thread 0: refill this stage with chunk c + stages
+    warp 0: refill this stage with chunk c + stages
 Three CTA barriers per chunk; the only waits are the serial dependence and, with stages = 1,
 the refill.
 
@@ -212,11 +212,16 @@ def scale_rows(acc: cute.Tensor, coords: cute.Tensor, s_g: cute.Tensor, mul: cut
 
 
 def issue_chunk(mbar, s, nbytes: int, loads, n):
-    """(one thread) expect `nbytes` on barrier s and TMA-load chunk n of every load.
+    """(all 32 lanes of warp 0) expect `nbytes` on barrier s and TMA-load chunk n of every load.
+
+    The whole warp, not one thread: each TMA copy elects its issuing lane with `elect.sync` over
+    the full warp mask, which is undefined with one lane active. Measured on the H200
+    (2026-11-30): issued from `tid == 0` alone, the first launch of each of the three scans never finished.
 
     A load is (atom, gmem, smem) into smem stage s, or (atom, gmem, smem, mult, off) into smem
     stage s * mult + off (per-warpgroup tiles of one pipeline stage)."""
-    cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, nbytes)
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, nbytes)
     for ld in loads:
         atom, tg, ts = ld[0], ld[1], ld[2]
         slot = s if len(ld) == 3 else s * ld[3] + ld[4]
@@ -237,7 +242,7 @@ def prologue(mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads,
             cute.arch.mbarrier_init(mbar + i, 1)
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
-    if tid == 0:
+    if tid < 32:  # warp 0 whole (see issue_chunk)
         for i in cutlass.range_constexpr(nstages):
             if i < NT:
                 issue_chunk(mbar, i, nbytes, loads, first + step * i)

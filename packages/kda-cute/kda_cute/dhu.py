@@ -264,7 +264,7 @@ def _dhu_kernel(cfg):
                 if wtid == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.sync_threads()
-                if tid == 0:
+                if tid < 32:  # warp 0 whole: see S.issue_chunk
                     if j + nst < NT:
                         S.issue_chunk(mbar, s, cfg.tx_bytes, loads, NT - 1 - (j + nst))
 

@@ -264,7 +264,7 @@ def _fwd_kernel(cfg):
                 S.sync_smem_for_async()
                 if wtid == 0:
                     S.store_chunk(atom_o, tOs, tOg, c)
-                if tid == 0:
+                if tid < 32:  # warp 0 whole: see S.issue_chunk
                     if c + nst < NT:
                         S.issue_chunk(mbar, s, cfg.tx_bytes, loads, c + nst)
 
