@@ -124,14 +124,13 @@ def test_static_reasons():
     )
 
 
-def test_unvalidated_scans_are_not_offered_to_the_chain(monkeypatch):
-    """On a GPU that passes every other check, is_supported still refuses until the H200 run."""
+def test_chain_offers_b1_and_dhu_but_not_the_slower_fwd(monkeypatch):
+    """On a GPU that passes every other check, b1 and dhu are offered; fwd answers its measured
+    reason (no faster than fla on the H200), so the chain keeps fla's forward."""
     d = _t()
     for mod in (b1, fwd, dhu):
         monkeypatch.setattr(mod, "device_reason", lambda t: None)
-    no = b1.UNVALIDATED
-    assert b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False) == no
-    assert fwd.is_supported(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], None, False, 0.1) == no
-    assert dhu.is_supported(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1) == no
-    monkeypatch.setattr(b1, "GPU_VALIDATED", True)
     assert b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False) is None
+    assert dhu.is_supported(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1) is None
+    r = fwd.is_supported(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], None, False, 0.1)
+    assert r == fwd.SLOWER_THAN_FLA and "measured" in r

@@ -17,13 +17,18 @@ which are issued in one wgmma group). q arrives by TMA with w, kg, u, Aqk and is
 smem (thread k reads column k of gk: coalesced fp32, one exp2 per element, as fla's fwd_o does);
 o is staged in smem and leaves by TMA store. No per-chunk state leaves the CTA.
 
-Status (2026-11-30): compiles for sm_90a (tests/kda_cute/test_scan_compile.py checks wgmma, TMA,
-no local memory); NOT yet run on a GPU - the session's shared device pool fell below the
-integrator's reserve while this was queued, so there are no measured numbers and no GPU
-correctness result yet. `python bench/check_scans.py` (part of bench/gpu_suite.sh) measures
-correctness against fla and float64 and times the variants (stages 1/2 x warpgroups 1/2);
-set the module's STAGES / WARPGROUPS / GRID_FLOOR from its table. Until it passes there,
-is_supported refuses (b1.GPU_VALIDATED) so the chain runs fla with that reason.
+Measured on the H200 (2026-11-30, bench/results/scans_2026-11-30.md, bench/check_scans.py):
+correct against float64 within fla's own error at 5 shapes (T=256 h0/dht, T=64 no h0, GVA with a
+ragged tail, fp16, batch 0 of the reference shape), NaN-poisoned outputs all written, bitwise
+repeatable. The first run hung: the TMA loads were issued by one thread, and each copy's
+`elect.sync` wants the whole warp (see `_scan.issue_chunk`).
+Speed at B16 T8192 H16 V256 bf16, same run: 3.864 ms (2 stages, two V tiles per CTA) vs fla's
+fwd_h + fwd_o 3.894 ms = 1.01x (target 2.2x: NOT met); one V tile per CTA 10.02 ms (2 stages,
+160 KB smem: one CTA per SM) and 5.44 (1 stage). B2 T4096: 0.687 vs 0.449 ms. Not faster than
+fla, so is_supported answers SLOWER_THAN_FLA and the chain runs fla's two kernels. Leads: the
+per-chunk q gating pass in smem (64 exp2 + 2 smem round trips per thread per chunk, before the
+wgmma can start) and three CTA barriers per chunk serialize what fla overlaps across its two
+kernels; a producer warp that gates q for chunk c+1 while chunk c's GEMMs run is the next try.
 
 Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
 chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
@@ -35,14 +40,19 @@ plus the token accumulators would spill).
 
 import torch
 
-from . import b1
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
 from .b1 import _DT, S, _cutlass_dtype, _dummy
 
 STAGES = 2
-WARPGROUPS = 1
+WARPGROUPS = 2  # 3.864 ms vs 10.02 (one V tile per CTA, 2 stages) / 5.44 (one, 1 stage): ref shape
 GRID_FLOOR = 0
+# Correct everywhere it was checked, but not faster than fla's fwd_h + fwd_o: the chain keeps fla
+# for this stage until it is (the kernel stays callable directly, as bench/check_scans.py does).
+SLOWER_THAN_FLA = (
+    "measured no faster than fla's fwd_h + fwd_o on the H200 (3.86 vs 3.89 ms at B16 T8192 H16 V256, "
+    "0.69 vs 0.45 ms at B2 T4096; bench/results/scans_2026-11-30.md)"
+)
 _cache = CallCache("kda_cute_fwd")
 
 
@@ -280,8 +290,7 @@ def _fwd_kernel(cfg):
 def is_supported(
     q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None
 ) -> str | None:
-    r = device_reason(u) or static_reason(q, kg, w, u, gk, Aqk, initial_state)
-    return r or (None if b1.GPU_VALIDATED else b1.UNVALIDATED)
+    return device_reason(u) or static_reason(q, kg, w, u, gk, Aqk, initial_state) or SLOWER_THAN_FLA
 
 
 def static_reason(q, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
