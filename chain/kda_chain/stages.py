@@ -42,31 +42,40 @@ class Choice:
     reason: str | None
 
 
-_local = threading.local()
+# Process-wide, not per thread: on CUDA, autograd runs the backward on its own device thread, so
+# a thread-local record saw only the forward stages (on the H200 the stage benchmarks skipped
+# every backward stage, 2026-11-30). Appends are atomic under the GIL; the lock guards swaps.
+_lock = threading.Lock()
+_log: list[Choice] = []
+_capture: list[tuple[str, tuple, dict]] | None = None
 
 
 def dispatch_log() -> list[Choice]:
-    """The choices made on this thread since the last `reset_dispatch_log()`."""
-    if not hasattr(_local, "log"):
-        _local.log = []
-    return _local.log
+    """The choices made (on any thread: the backward included) since `reset_dispatch_log()`."""
+    return _log
 
 
 def reset_dispatch_log() -> None:
-    _local.log = []
+    with _lock:
+        _log.clear()
 
 
 class capture:
-    """Record every stage call's arguments made inside the block (for benchmarks: each stage
-    is then timed on the real inputs of a real chain call). Holds references: use briefly."""
+    """Record every stage call's arguments made inside the block, on any thread (for benchmarks:
+    each stage is then timed on the real inputs of a real chain call). Holds references: use
+    briefly."""
 
     def __enter__(self) -> list[tuple[str, tuple, dict]]:
+        global _capture
         self.calls: list[tuple[str, tuple, dict]] = []
-        _local.capture = self.calls
+        with _lock:
+            _capture = self.calls
         return self.calls
 
     def __exit__(self, *exc) -> None:
-        _local.capture = None
+        global _capture
+        with _lock:
+            _capture = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +164,9 @@ class Stage:
     def run(self, impl: Impl, reason: str | None, *args, **kwargs):
         """Run a chosen implementation inside its profiler range, recording the choice."""
         dispatch_log().append(Choice(self.name, impl.name, reason))
-        if getattr(_local, "capture", None) is not None:
-            _local.capture.append((self.name, args, kwargs))
+        calls = _capture
+        if calls is not None:
+            calls.append((self.name, args, kwargs))
         with stage_range(self.name, impl.name, reason):
             return impl.fn(*args, **kwargs)
 

@@ -207,3 +207,25 @@ def test_fla_adapters_bind_to_fla_signatures(monkeypatch):
     for c in calls:
         c()
     assert len(bound) == 16  # fwd_scan binds two fla functions
+
+
+def test_backward_on_another_thread_is_recorded_and_captured():
+    """On CUDA, autograd runs the backward on its own thread: the dispatch log and `capture`
+    must still see those stages (a thread-local record lost them on the H200)."""
+    import threading
+
+    from kda_chain.stages import capture
+
+    x = _inputs(T=64)
+    for n in ("q", "k", "v", "g", "beta"):
+        x[n].requires_grad_(True)
+    reset_dispatch_log()
+    with capture() as calls:
+        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])
+        t = threading.Thread(target=lambda: o.sum().backward())
+        t.start()
+        t.join()
+    logged = {c.stage for c in dispatch_log()}
+    captured = {name for name, _, _ in calls}
+    for st in ("b1", "dhu", "intra"):
+        assert st in logged and st in captured, (st, logged, captured)
