@@ -99,7 +99,8 @@ def test_is_supported_needs_cuda_on_cpu():
     assert "CUDA" in dhu.is_supported(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1)
 
 
-def test_static_reasons():
+def test_static_reasons(monkeypatch):
+    monkeypatch.setattr(dhu, "GRID_FLOOR", 0)  # a tiny grid here; the floor has its own test
     d = _t()
     assert b1.static_reason(d["kg"], d["w"], d["u"], d["gk"]) is None
     assert fwd.static_reason(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"]) is None
@@ -127,10 +128,21 @@ def test_static_reasons():
 def test_chain_offers_b1_and_dhu_but_not_the_slower_fwd(monkeypatch):
     """On a GPU that passes every other check, b1 and dhu are offered; fwd answers its measured
     reason (no faster than fla on the H200), so the chain keeps fla's forward."""
+    monkeypatch.setattr(dhu, "GRID_FLOOR", 0)
     d = _t()
+    monkeypatch.setattr(dhu, "GRID_FLOOR", 0)  # a tiny grid here; the floor has its own test
     for mod in (b1, fwd, dhu):
         monkeypatch.setattr(mod, "device_reason", lambda t: None)
     assert b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False) is None
     assert dhu.is_supported(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1) is None
     r = fwd.is_supported(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], None, False, 0.1)
     assert r == fwd.SLOWER_THAN_FLA and "measured" in r
+
+
+def test_dhu_small_grid_goes_to_fla():
+    """Below dhu's measured floor (64 V tiles: fla was faster on the H200) the gate says so."""
+    d = _t()
+    B, T, HV, V = d["do"].shape
+    r = dhu.static_reason(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"])
+    tiles = B * HV * (V // 64)
+    assert (r is not None and "below the measured floor" in r) == (tiles < dhu.GRID_FLOOR), (tiles, r)

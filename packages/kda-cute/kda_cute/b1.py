@@ -305,8 +305,9 @@ def static_reason(kg, w, u, gk, initial_state=None) -> str | None:
             return "initial_state must be fp32 [B, HV, K, V]"
         if not initial_state.is_contiguous() or initial_state.data_ptr() % 16:
             return "initial_state not contiguous / aligned"
-    if B * HV * (V // S.BV) < GRID_FLOOR:
-        return f"grid {B * HV * (V // S.BV)} CTAs below the measured floor {GRID_FLOOR} (fla is faster)"
+    tiles = B * HV * (V // S.BV)
+    if tiles < GRID_FLOOR:
+        return f"{tiles} V tiles (B*HV*V/64) below the measured floor {GRID_FLOOR} (fla is faster)"
     return None
 
 

@@ -44,7 +44,9 @@ from .b1 import _DT, S, _cutlass_dtype, _dummy
 STAGES = 2
 # two V tiles per CTA: 1.845 ms vs 2.159 (one) at B16 T8192 H16 V256 (fla 3.080); V % 128 != 0 uses one
 WARPGROUPS = 2
-GRID_FLOOR = 0  # none measured: 1.44x faster than fla at 128 CTAs (B2 T4096 H16 V256)
+# 64-wide V tiles (B * HV * V/64) below which fla runs: at 64 tiles (B2 T4096 H16 V128) ours took
+# 0.249 ms against fla's 0.210 (stage bench, H200 2026-11-30); at 128 (V256) 0.195 vs 0.282.
+GRID_FLOOR = 128
 _cache = CallCache("kda_cute_dhu")
 
 
@@ -317,8 +319,9 @@ def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
             return f"{name} must be fp32 [B, HV, K, V]"
         if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
             return f"{name} not contiguous / aligned"
-    if B * HV * (V // S.BV) < GRID_FLOOR:
-        return f"grid {B * HV * (V // S.BV)} CTAs below the measured floor {GRID_FLOOR} (fla is faster)"
+    tiles = B * HV * (V // S.BV)
+    if tiles < GRID_FLOOR:
+        return f"{tiles} V tiles (B*HV*V/64) below the measured floor {GRID_FLOOR} (fla is faster)"
     return None
 
 

@@ -309,8 +309,9 @@ def static_reason(q, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
     for name, t in (("q", q), ("Aqk", Aqk)):
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
-    if B * HV * (V // S.BV) < GRID_FLOOR:
-        return f"grid {B * HV * (V // S.BV)} CTAs below the measured floor {GRID_FLOOR} (fla is faster)"
+    tiles = B * HV * (V // S.BV)
+    if tiles < GRID_FLOOR:
+        return f"{tiles} V tiles (B*HV*V/64) below the measured floor {GRID_FLOOR} (fla is faster)"
     return None
 
 
