@@ -1,0 +1,139 @@
+"""Where the chain's time goes at small shapes: host (enqueue) time against device time, per launch.
+
+Measured on the H200 (2026-11-30): at B2 T4096 H16 K=V=128 our fwd+bwd takes 5.73 ms against
+fla's 4.36 although every CuTe stage it runs is faster than fla's there, and the forward (no CuTe
+kernel) is level with fla. So the extra time is host time around the CuTe launches. This script
+splits it, in one process, side by side with fla:
+
+  per kernel (intra with fold_dg, b1, dhu; fla's intra + cumsum, fwd_h, bwd_dhu):
+    device ms      CUDA events around one call, median (bench/cuda_clock.median_ms)
+    host us/call   perf_counter around N back-to-back calls, no sync inside: the enqueue cost
+    compiled us    (ours) the compiled CuTe function alone on its cached views: the DSL's share
+  per chain (ours, fla), fwd+bwd:
+    host ms        perf_counter around one fwd+bwd, no sync: when this exceeds the device time
+                   the GPU idles between launches and the step is host-bound
+    device ms      CUDA events around the same
+
+    python bench/check_launch.py [--B 2 --T 4096 --H 16 --V 128] [--n 200]
+
+NOT yet run on a GPU (written after the 2026-11-30 device minutes ran out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import check_intra as ci  # bench/ (this script's directory)
+import check_scans as cs
+import kda_cute.b1 as b1
+import kda_cute.dhu as dhu
+import kda_cute.intra as intra
+import torch
+from cuda_clock import median_ms
+
+
+def host_us(fn, n: int) -> float:
+    """Enqueue time per call: n calls back to back, no sync inside the timed loop."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def compiled_us(cache, call, n: int) -> float:
+    """The compiled CuTe function alone on the views its last call cached. `call` runs first and its
+    outputs are kept alive, so the cached pointers still point at live tensors while we relaunch."""
+    from kda_cute._common.cache import current_stream
+
+    keep = call()  # noqa: F841 - holds the outputs the cached views point at
+    torch.cuda.synchronize()
+    (view_key, views), = list(cache.entries.items())[-1:]
+    fn = cache.compiled[view_key[0]]
+    _, stream = current_stream(torch.device("cuda"))
+    fn(*views, stream)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn(*views, stream)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def kernels(B, T, H, V, n):
+    a = ci.make_inputs(B, T, H, H, 128)
+    d = cs.make_inputs(B, T, H, H, V, h0=False)
+    rows = [
+        ("intra fold_dg", lambda: intra.bwd_intra(*a, fold_dg=True, emit_bf16=True), intra._cache,
+         "fla intra + dg cumsum", lambda: ci.fla_intra(a, fold=True)),
+        ("b1", lambda: cs.ours_b1(d), b1._cache, "fla fwd_h", lambda: cs.fla_b1(d)),
+        ("dhu", lambda: cs.ours_dhu(d), dhu._cache, "fla bwd_dhu", lambda: cs.fla_dhu(d)),
+    ]
+    print(f"| B{B} T{T} H{H} V{V} | device ms | host us/call | compiled call us |")
+    print("|---|---|---|---|")
+    for name, ours, cache, fname, fla in rows:
+        try:
+            print(f"| {name} | {median_ms(ours):.3f} | {host_us(ours, n):.1f} | "
+                  f"{compiled_us(cache, ours, n):.1f} |", flush=True)
+            print(f"| {fname} | {median_ms(fla):.3f} | {host_us(fla, n):.1f} | - |", flush=True)
+        except Exception as e:  # one call must tell everything
+            print(f"| {name} | ERROR {type(e).__name__}: {e} | | |", flush=True)
+
+
+def chains(B, T, H, V, reps=10):
+    from fla.ops.kda import chunk_kda as fla_kda
+    from kda_chain import chunk_kda
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*s):
+        return torch.randn(s, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(True)
+
+    q, k, v, gate, beta = r(B, T, H, 128), r(B, T, H, 128), r(B, T, H, V), r(B, T, H, 128), r(B, T, H)
+    A_log = torch.zeros(H, device="cuda")
+    do = torch.randn(B, T, H, V, device="cuda").to(torch.bfloat16)
+
+    def step(fn):
+        o, _ = fn(q, k, v, gate, beta.sigmoid(), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  A_log=A_log)
+        o.backward(do)
+
+    print(f"\n| fwd+bwd B{B} T{T} H{H} V{V} | host ms (no sync) | device ms |")
+    print("|---|---|---|")
+    for name, fn in (("ours", chunk_kda), ("fla", fla_kda)):
+        for _ in range(3):
+            step(fn)
+        torch.cuda.synchronize()
+        hosts = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(fn)
+            hosts.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        hosts.sort()
+        print(f"| {name} | {hosts[len(hosts) // 2]:.3f} | {median_ms(lambda fn=fn: step(fn)):.3f} |", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, default=2)
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--V", type=int, default=128)
+    ap.add_argument("--n", type=int, default=200, help="calls per host-time loop")
+    a = ap.parse_args()
+    for m in cs.MODS:
+        m.GRID_FLOOR = 0  # time dhu below its floor too: the floor is what this may move
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    kernels(a.B, a.T, a.H, a.V, a.n)
+    chains(a.B, a.T, a.H, a.V)
+
+
+if __name__ == "__main__":
+    main()
