@@ -117,7 +117,8 @@ def chains(B, T, H, V, reps=10):
             hosts.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         hosts.sort()
-        print(f"| {name} | {hosts[len(hosts) // 2]:.3f} | {median_ms(lambda fn=fn: step(fn)):.3f} |", flush=True)
+        dev = median_ms(lambda fn=fn: step(fn))
+        print(f"| {name} | {hosts[len(hosts) // 2]:.3f} | {dev:.3f} |", flush=True)
 
 
 def main():

@@ -3,7 +3,7 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans tests bench save (default: all)
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests bench save (default: all)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
 #   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash bench/gpu_suite.sh scans bench) &
@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kda-suite}
 mkdir -p "$OUT"
 LOG=$OUT/suite.log
-steps=${*:-witness intra scans tests bench save}
+steps=${*:-witness intra scans launch tests bench save}
 
 step() {  # step NAME LIMIT_S CMD...
   local name=$1 limit=$2 t0 rc
@@ -49,6 +49,8 @@ for s in $steps; do
       step check_intra 200 python bench/check_intra.py ;;
     scans)  # one process per scan: a hang costs only its own limit
       for st in b1 fwd dhu; do step "check_scans_$st" ${SCAN_LIMIT:-150} python bench/check_scans.py --stage $st; done ;;
+    launch)  # host vs device time per launch and per chain step (the small-shape slowdown)
+      step check_launch 120 python bench/check_launch.py ;;
     tests)  # pytest-timeout (on the GPU image) dumps every thread's stack if a test hangs
       step gpu_tests ${TESTS_LIMIT:-300} python -m pytest -p no:cacheprovider -p kda_witness.pytest_plugin -v --durations=15 --timeout=${TEST_TIMEOUT:-150} tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
     bench)
