@@ -146,6 +146,29 @@ def tile_bytes(dtype, layout_staged) -> int:
 
 
 # --------------------------------------------------------------------------------------- device
+class Cta:
+    """The coordinates and shared memory every scan kernel starts from (one place, so the three
+    kernels cannot drift): thread `tid`, its warpgroup `wg` (= its 64-wide V tile within the
+    CTA) and rank `wtid` in it, the block's (bv, hv, b), the V tile `vt`, the k / q heads `hk`,
+    `hq` of GVA, T and the chunk count NT, the smem struct `st`, the mbarrier ring `mbar` and the
+    exp2(gd) row `sG`. Built while tracing a kernel: `mG` is any (X, T, heads, B) view."""
+
+    def __init__(self, cfg, mG):
+        self.tid, _, _ = cute.arch.thread_idx()
+        self.wg = self.tid // THREADS
+        self.wtid = self.tid % THREADS
+        self.bv, self.hv, self.b = cute.arch.block_idx()
+        self.vt = self.bv * cfg.nwg + self.wg
+        self.hk = self.hv // cfg.ratio_k
+        if hasattr(cfg, "ratio_q"):
+            self.hq = self.hv // cfg.ratio_q
+        self.T = cute.size(mG, mode=[1])
+        self.NT = (self.T + BT - 1) // BT
+        self.st = cutlass.memory.SmemAllocator().allocate(cfg.storage)
+        self.mbar = self.st.mbar.data_ptr()
+        self.sG = self.st.sG.get_tensor(cute.make_layout(KD))
+
+
 def smem_tensor(buf, layout_staged):
     """Tensor over a struct MemRange with the swizzle in the pointer (what wgmma descriptors want)."""
     return buf.get_tensor(layout_staged.outer, swizzle=layout_staged.inner)

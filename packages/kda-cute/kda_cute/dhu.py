@@ -165,20 +165,10 @@ def _dhu_kernel(cfg):
         ):
             nst, nwg = cfg.stages, cfg.nwg
             cfg._layouts()
-            tid, _, _ = cute.arch.thread_idx()
-            wg = tid // S.THREADS  # warpgroup: its own 64-wide V tile, state and output buffers
-            wtid = tid % S.THREADS
-            bv, hv, b = cute.arch.block_idx()
-            vt = bv * nwg + wg
-            hk = hv // cfg.ratio_k
-            hq = hv // cfg.ratio_q
-            T = cute.size(mGk, mode=[1])
-            NT = (T + S.BT - 1) // S.BT
-
-            smem = cutlass.memory.SmemAllocator()
-            st = smem.allocate(cfg.storage)
-            mbar = st.mbar.data_ptr()
-            sG = st.sG.get_tensor(cute.make_layout(S.KD))
+            cta = S.Cta(cfg, mGk)
+            tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
+            hk, T, NT, st, mbar, sG = cta.hk, cta.T, cta.NT, cta.st, cta.mbar, cta.sG
+            hq = cta.hq
             sKg = S.smem_tensor(st.sKg, cfg.l_kg)
             sQ = S.smem_tensor(st.sQ, cfg.l_q)
             sW = S.smem_tensor(st.sW, cfg.l_w)
