@@ -128,7 +128,6 @@ def test_static_reasons(monkeypatch):
 def test_chain_offers_b1_and_dhu_but_not_the_slower_fwd(monkeypatch):
     """On a GPU that passes every other check, b1 and dhu are offered; fwd answers its measured
     reason (no faster than fla on the H200), so the chain keeps fla's forward."""
-    monkeypatch.setattr(dhu, "GRID_FLOOR", 0)
     d = _t()
     monkeypatch.setattr(dhu, "GRID_FLOOR", 0)  # a tiny grid here; the floor has its own test
     for mod in (b1, fwd, dhu):

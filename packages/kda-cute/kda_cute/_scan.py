@@ -24,6 +24,12 @@ All three scans have the same skeleton, so it lives here once:
     the B operand of the state GEMM) and leave by TMA store; TMA clips the rows past T of the
     last partial chunk, and its zero-filled loads make those rows contribute nothing.
 
+Measured on the H200 (2026-11-30, bench/results/scans_2026-11-30.md, bench/check_scans.py):
+correct against float64 within fla's own error at 5 shapes (T=256 h0/dht, T=64 no h0, GVA with a
+ragged tail, fp16, batch 0 of the reference shape), NaN-poisoned outputs all written, bitwise
+repeatable. The first run hung: the TMA loads were issued by one thread, and each copy's
+`elect.sync` wants the whole warp (see `issue_chunk`).
+
 Global views (the mode order every TMA tile and smem layout is written against):
     row view  (T, X, heads, B)      token-major operand tiles (A K-major: w, kg, qg, q, Aqk)
     col view  (X, T, heads, B)      feature-major tiles (A/B MN-major: kg^T, w^T, qg^T, u, do, dv,

@@ -17,11 +17,7 @@ which are issued in one wgmma group). q arrives by TMA with w, kg, u, Aqk and is
 smem (thread k reads column k of gk: coalesced fp32, one exp2 per element, as fla's fwd_o does);
 o is staged in smem and leaves by TMA store. No per-chunk state leaves the CTA.
 
-Measured on the H200 (2026-11-30, bench/results/scans_2026-11-30.md, bench/check_scans.py):
-correct against float64 within fla's own error at 5 shapes (T=256 h0/dht, T=64 no h0, GVA with a
-ragged tail, fp16, batch 0 of the reference shape), NaN-poisoned outputs all written, bitwise
-repeatable. The first run hung: the TMA loads were issued by one thread, and each copy's
-`elect.sync` wants the whole warp (see `_scan.issue_chunk`).
+Measured on the H200 (2026-11-30): correctness as in `kda_cute._scan`'s docstring.
 Speed at B16 T8192 H16 V256 bf16, same run: 3.864 ms (2 stages, two V tiles per CTA) vs fla's
 fwd_h + fwd_o 3.894 ms = 1.01x (target 2.2x: NOT met); one V tile per CTA 10.02 ms (2 stages,
 160 KB smem: one CTA per SM) and 5.44 (1 stage). B2 T4096: 0.687 vs 0.449 ms. Not faster than
@@ -42,7 +38,7 @@ import torch
 
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from .b1 import _DT, S, _cutlass_dtype, _dummy
+from .b1 import _DT, S, _cutlass_dtype, _dummy, floor_reason, operand_reason
 
 STAGES = 2
 WARPGROUPS = 2  # 3.864 ms vs 10.02 (one V tile per CTA, 2 stages) / 5.44 (one, 1 stage): ref shape
@@ -284,9 +280,7 @@ def is_supported(
 
 
 def static_reason(q, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
-    from .b1 import static_reason as b1_reason
-
-    r = b1_reason(kg, w, u, gk, initial_state)
+    r = operand_reason(kg, w, u, gk, initial_state)
     if r:
         return r
     B, T, HV, V = u.shape
@@ -299,10 +293,7 @@ def static_reason(q, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
     for name, t in (("q", q), ("Aqk", Aqk)):
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
-    tiles = B * HV * (V // S.BV)
-    if tiles < GRID_FLOOR:
-        return f"{tiles} V tiles (B*HV*V/64) below the measured floor {GRID_FLOOR} (fla is faster)"
-    return None
+    return floor_reason(u.shape, GRID_FLOOR)
 
 
 def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups):
