@@ -214,7 +214,7 @@ def main():
     if a.sweep:
         args = make_inputs(16, 8192, 16, 16, 128)
         base = dict(intra._TUNE)
-        for cfg in ({"pf": 0}, {"pf": 4}, {"xu": 2}):
+        for cfg in ({"pf": 1}, {"pf": 4}, {"xu": 2}, {"pf": 4, "xu": 2}):
             intra._TUNE.update(cfg)
             try:
                 t = median_ms(lambda: intra.bwd_intra(*args, fold_dg=True))

@@ -14,9 +14,9 @@ splits it, in one process, side by side with fla:
                    the GPU idles between launches and the step is host-bound
     device ms      CUDA events around the same
 
-    python bench/check_launch.py [--B 2 --T 4096 --H 16 --V 128] [--n 200]
+    python bench/check_launch.py [--B 2 --T 4096 --H 16 --V 128] [--n 200] [--profile]
 
-NOT yet run on a GPU (written after the 2026-11-30 device minutes ran out).
+`--profile`: sync call sites and cProfile of the chain step (ours, fla) instead.
 """
 
 from __future__ import annotations
@@ -121,6 +121,77 @@ def chains(B, T, H, V, reps=10):
         print(f"| {name} | {hosts[len(hosts) // 2]:.3f} | {dev:.3f} |", flush=True)
 
 
+def _chain_step(B, T, H, V):
+    """One fwd+bwd closure per implementation on shared inputs (as `chains`)."""
+    from fla.ops.kda import chunk_kda as fla_kda
+    from kda_chain import chunk_kda
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def r(*s):
+        return torch.randn(s, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(True)
+
+    q, k, v, gate, beta = r(B, T, H, 128), r(B, T, H, 128), r(B, T, H, V), r(B, T, H, 128), r(B, T, H)
+    A_log = torch.zeros(H, device="cuda")
+    do = torch.randn(B, T, H, V, device="cuda").to(torch.bfloat16)
+
+    def step(fn):
+        o, _ = fn(q, k, v, gate, beta.sigmoid(), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  A_log=A_log)
+        o.backward(do)
+
+    return {"ours": lambda: step(chunk_kda), "fla": lambda: step(fla_kda)}
+
+
+def host_profile(B, T, H, V, steps=10):
+    """Where our chain's host time goes: (1) every synchronizing CUDA call made during one step
+    (torch's sync debug mode, warnings recorded on every thread), (2) cProfile of `steps` steps
+    with the backward on the calling thread (autograd multithreading off), ours then fla."""
+    import cProfile
+    import io
+    import pstats
+    import warnings
+
+    fns = _chain_step(B, T, H, V)
+    for fn in fns.values():
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    print(f"\n## host profile B{B} T{T} H{H} V{V}", flush=True)
+    for name, fn in fns.items():
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        syncs = sorted({f"{w.filename}:{w.lineno}: {str(w.message)[:90]}" for w in ws
+                        if "synchroniz" in str(w.message)})
+        print(f"{name}: {len(syncs)} synchronizing call sites in one step", flush=True)
+        for line in syncs[:20]:
+            print("   ", line, flush=True)
+    torch.autograd.set_multithreading_enabled(False)
+    try:
+        for name, fn in fns.items():
+            pr = cProfile.Profile()
+            torch.cuda.synchronize()
+            pr.enable()
+            for _ in range(steps):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            for key in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(28)
+                text = buf.getvalue()
+                text = text[text.find("ncalls"):]
+                print(f"\n### {name}: cProfile, {steps} steps, by {key}\n{text}", flush=True)
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--B", type=int, default=2)
@@ -128,10 +199,14 @@ def main():
     ap.add_argument("--H", type=int, default=16)
     ap.add_argument("--V", type=int, default=128)
     ap.add_argument("--n", type=int, default=200, help="calls per host-time loop")
+    ap.add_argument("--profile", action="store_true", help="only the host profile of the chain")
     a = ap.parse_args()
     for m in cs.MODS:
         m.GRID_FLOOR = 0  # time dhu below its floor too: the floor is what this may move
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    if a.profile:
+        host_profile(a.B, a.T, a.H, a.V)
+        return
     kernels(a.B, a.T, a.H, a.V, a.n)
     chains(a.B, a.T, a.H, a.V)
 
