@@ -4,7 +4,8 @@ Correctness, per shape: every output of ours and of fla against the float64 refe
 (`kda_cute.reference.fwd_h / fwd_scan / bwd_dhu` on float64 copies), side by side; ours must be
 within 2x fla's error (plus a tiny floor). Fresh outputs are NaN-poisoned before each launch and
 must come back finite; two runs must be bitwise identical. Inputs are realistic: kg, w, u, Aqk
-(and qg for dhu) come from fla's own intra / recompute on l2-normed q, k and negative gates.
+and qg (ours fwd and dhu read it) come from fla's own intra (disable_recompute: the store of qg the
+chain asks for) on l2-normed q, k and negative gates. fla's fwd_o and the float64 reference read q.
 Timing: CUDA events per call, warm, median: ours vs fla's fwd_h, fwd_h + fwd_o, bwd_dhu at
 B16 T8192 H16 K128 V256 and a small shape. The table is printed last.
 
@@ -58,7 +59,6 @@ for _m in MODS:
 
 def make_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0, K=128):
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-    from fla.ops.kda.wy_fast import recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -73,8 +73,9 @@ def make_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0
     gk = chunk_local_cumsum(g, scale=RCP_LN2, chunk_size=64)
     beta = torch.sigmoid(rn(B, T, HV)).to(dtype)
     scale = K**-0.5
-    w, u, _, kg, Aqk, Akk = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=64)
-    _, _, qg, _ = recompute_w_u_fwd(q=q, k=k, v=v, beta=beta, A=Akk, gk=gk)
+    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=64, disable_recompute=True
+    )
     h0t = rn(B, HV, K, V) * 0.1 if h0 else None
     do = rn(B, T, HV, V).to(dtype)
     dv = (rn(B, T, HV, V) * 0.5).to(dtype)
@@ -98,7 +99,9 @@ def fla_b1(d):
 
 def ours_fwd(d, var=None):
     kw = {} if var is None else {"stages": var[0], "warpgroups": var[1]}
-    return fwd.fwd_scan(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], d["h0"], True, d["scale"], **kw)
+    return fwd.fwd_scan(
+        d["q"], d["qg"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], d["h0"], True, d["scale"], **kw
+    )
 
 
 def fla_fwd(d):
@@ -153,7 +156,7 @@ def _cmp(label, ours_t, fla_t, ref_t, nb):
 
 
 def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None):
-    say(f"{name}: inputs (fla intra / recompute)")
+    say(f"{name}: inputs (fla intra)")
     d = make_inputs(B, T, H, HV, V, dtype, h0=h0)
     torch.cuda.synchronize()
     nb = B if ref_batches is None else ref_batches
@@ -171,8 +174,9 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None):
             "fwd",
             ours_fwd,
             fla_fwd,
-            lambda: ref.fwd_scan(
-                d64["q"], d64["kg"], d64["w"], d64["u"], d64["gk"], d64["Aqk"], d64["h0"], True, d["scale"]
+            lambda: ref.fwd_scan(  # the oracle gates q itself (qg None)
+                d64["q"], None, d64["kg"], d64["w"], d64["u"], d64["gk"], d64["Aqk"], d64["h0"], True,
+                d["scale"],
             ),
             ("o", "ht"),
         ),

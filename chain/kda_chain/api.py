@@ -187,8 +187,8 @@ def _probe_args(stage: str, q, B, T, H, HV, K, V):
 
     qk, kv, gk = t(B, T, H, K), t(B, T, HV, K), t(B, T, HV, K, dtype=f32)
     if stage == "fwd":
-        # Aqk comes out of fwd_intra in k's dtype (fla 0.6.0)
-        return (qk, kv, kv, t(B, T, HV, V), gk, t(B, T, HV, 64), None, False, K ** -0.5)
+        # qg as fwd_intra gives it when the kernel is planned; Aqk in k's dtype (fla 0.6.0)
+        return (qk, kv, kv, kv, t(B, T, HV, V), gk, t(B, T, HV, 64), None, False, K ** -0.5)
     if stage == "b1":
         return (kv, kv, t(B, T, HV, V), gk, None, False)
     if stage == "dhu":

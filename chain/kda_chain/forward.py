@@ -3,13 +3,15 @@
     l2norm_fwd (q, k)          only with use_qk_l2norm_in_kernel
     beta_sigmoid_fwd           only with use_beta_sigmoid_in_kernel (x2 with allow_neg_eigval)
     gate_chunk_cumsum          the gate (in kernel, or the given log-gate) -> gk, log2 chunk cumsum
-    fwd_intra                  w, u, qg, kg, Aqk, Akk per chunk
+    fwd_intra                  w, u, qg, kg, Aqk, Akk per chunk; qg (q * exp2(gk), what
+                               kda_cute_fwd reads instead of q) only when that kernel could run
+                               (`stages.cute_planned("fwd", ...)`), else None
     fwd                        kda_cute_fwd: the state scan fused with the readout -> o, ht
-                               (fla: chunk_gated_delta_rule_fwd_h + chunk_gla_fwd_o_gk)
+                               (fla: chunk_gated_delta_rule_fwd_h + chunk_gla_fwd_o_gk, from q)
 
 What is saved for backward is exactly what fla 0.6.0 saves (no more activations): q, k (after
 l2norm) with their rstd, v, gk (only when the gate is not recomputed in kernel), the raw g,
-beta (raw and activated), A_log, dt_bias, Aqk, Akk, initial_state.
+beta (raw and activated), A_log, dt_bias, Aqk, Akk, initial_state (not qg: fla does not either).
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags):
     if f.use_beta_sigmoid_in_kernel:
         beta = S.beta_sigmoid_fwd(beta_raw, f.beta_scale)
     gk = S.gate_chunk_cumsum(g, A_log, dt_bias, f.lower_bound, f.chunk_size, f.use_gate_in_kernel)
-    w, u, qg, kg, Aqk, Akk = S.fwd_intra(q, k, v, gk, beta, f.scale, f.chunk_size)
-    o, ht = S.fwd(q, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale)
+    want_qg = S.cute_planned("fwd", q, v, initial_state)
+    w, u, qg, kg, Aqk, Akk = S.fwd_intra(q, k, v, gk, beta, f.scale, f.chunk_size, want_qg)
+    o, ht = S.fwd(q, qg, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale)
     saved = Saved(q, q_rstd, k, k_rstd, v, None if f.use_gate_in_kernel else gk, g, beta_raw, beta,
                   A_log, dt_bias, Aqk, Akk, initial_state)
     return o.to(q.dtype), ht, saved

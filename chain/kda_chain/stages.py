@@ -147,6 +147,22 @@ def cute_impl(stage: str, module: str, fn_name: str) -> Impl:
     return Impl("cute", gate, fn)
 
 
+def cute_planned(stage: str, *args, **kwargs) -> bool:
+    """Could the CuTe kernel of `stage` take a chain call with these inputs? Asked before the
+    stage's own inputs exist, to decide whether an earlier stage computes something only that
+    kernel reads (fwd: qg from fwd_intra). False when forced to fla (KDA_FORCE_FLA), when the
+    module is absent, or when its `plan_reason(*args, **kwargs)` gives a reason."""
+    if forced_fla(stage):
+        return False
+    try:
+        mod = importlib.import_module(f"kda_cute.{stage}")
+    except ModuleNotFoundError as e:
+        if e.name == f"kda_cute.{stage}":
+            return False
+        raise
+    return mod.plan_reason(*args, **kwargs) is None
+
+
 @dataclass
 class Stage:
     name: str
@@ -193,9 +209,12 @@ def _fla_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_
     return f(g=g, scale=RCP_LN2, chunk_size=chunk_size)
 
 
-def _fla_fwd_intra(q, k, v, gk, beta, scale, chunk_size):
+def _fla_fwd_intra(q, k, v, gk, beta, scale, chunk_size, want_qg=False):
+    # disable_recompute makes fla's recompute_w_u_fwd also store qg = q * exp2(gk) [B, T, HV, K]
+    # in k's dtype (otherwise qg is None); nothing else changes.
     f = _fla("fla.ops.kda.chunk_intra", "chunk_kda_fwd_intra")
-    return f(q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=chunk_size)
+    return f(q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=chunk_size,
+             disable_recompute=want_qg)
 
 
 def _fla_fwd_h(kg, w, u, gk, initial_state, output_final_state):
@@ -208,7 +227,8 @@ def _fla_fwd_o(q, v_new, gk, Aqk, h, scale):
     return f(q=q, v=v_new, g=gk, A=Aqk, h=h, scale=scale)
 
 
-def _fla_fwd_scan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale):
+def _fla_fwd_scan(q, qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale):
+    # fla's fwd_o gates q itself: qg (the CuTe kernel's input) is not used
     h, v_new, ht = _fla_fwd_h(kg, w, u, gk, initial_state, output_final_state)
     return _fla_fwd_o(q, v_new, gk, Aqk, h, scale), ht
 

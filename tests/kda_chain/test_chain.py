@@ -84,6 +84,33 @@ def test_force_fla_env_is_read_per_call(monkeypatch):
     assert "forced" not in reason
 
 
+def test_fwd_intra_computes_qg_only_when_the_cute_fwd_is_planned(monkeypatch):
+    """fwd_intra is asked for qg (kda_cute_fwd's input) only when fwd.plan_reason accepts the
+    inputs and KDA_FORCE_FLA does not name fwd; the result is the same either way."""
+    import kda_cute.fwd as F
+    from kda_chain.stages import capture, cute_planned
+
+    x = _inputs(T=64)
+
+    def run():
+        with capture() as calls:
+            o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"])
+        args = dict((name, a) for name, a, _ in calls)
+        return o.detach(), args["fwd_intra"][7], args["fwd"][1]
+
+    o0, want0, qg0 = run()  # CPU: no device, no qg
+    assert (want0, qg0) == (False, None)
+    assert not cute_planned("fwd", x["q"], x["v"], x["initial_state"])
+    monkeypatch.setattr(F, "plan_reason", lambda q, v, h0=None: None)
+    assert cute_planned("fwd", x["q"], x["v"], x["initial_state"])
+    o1, want1, qg1 = run()
+    assert want1 is True and tuple(qg1.shape) == tuple(x["q"].shape[:2]) + (4, 16)
+    assert torch.equal(o0, o1)  # the reference scan gates q itself
+    monkeypatch.setenv("KDA_FORCE_FLA", "fwd")
+    assert not cute_planned("fwd", x["q"], x["v"], x["initial_state"])
+    assert run()[1:] == (False, None)
+
+
 def test_intra_fold_dg_path_skips_dg_cumsum(monkeypatch):
     """With a CuTe intra the chain asks for fold_dg and drops dg_cumsum; the result is the same.
     The 'CuTe' implementation here is the reference's bwd_intra (which honours fold_dg)."""
@@ -191,7 +218,8 @@ def test_fla_adapters_bind_to_fla_signatures(monkeypatch):
         lambda: S._fla_gate_chunk_cumsum(t, t, t, None, 64, True),
         lambda: S._fla_gate_chunk_cumsum(t, None, None, None, 64, False),
         lambda: S._fla_fwd_intra(t, t, t, t, t, 0.1, 64),
-        lambda: S._fla_fwd_scan(t, t, t, t, t, t, None, True, 0.1),
+        lambda: S._fla_fwd_intra(t, t, t, t, t, 0.1, 64, True),
+        lambda: S._fla_fwd_scan(t, t, t, t, t, t, t, None, True, 0.1),
         lambda: S._fla_recompute_w_u(t, t, t, t, t, t),
         lambda: S._fla_bwd_dAv(t, t, t, t, t, 0.1),
         lambda: S._fla_bwd_dhu(t, t, t, t, None, None, t, t, 0.1),
@@ -206,7 +234,7 @@ def test_fla_adapters_bind_to_fla_signatures(monkeypatch):
     ]
     for c in calls:
         c()
-    assert len(bound) == 16  # fwd_scan binds two fla functions
+    assert len(bound) == 17  # fwd_scan binds two fla functions
 
 
 def test_backward_on_another_thread_is_recorded_and_captured():

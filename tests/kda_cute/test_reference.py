@@ -183,7 +183,7 @@ def _stage_inputs(dtype=F64, T=150, **kw):
     h0 = extra['initial_state'].to(F64 if dtype == F64 else torch.float32)
     scale = q.shape[-1] ** -0.5
     gk = gate_chunk_cumsum(g, None, None, None, 64, False)
-    w, u, qg, kg, Aqk, Akk = fwd_intra(q, k, v, gk, beta, scale, 64)
+    w, u, qg, kg, Aqk, Akk = fwd_intra(q, k, v, gk, beta, scale, 64, want_qg=True)
     h, v_new, ht = fwd_h(kg, w, u, gk, h0, True)
     dAqk, dv = bwd_dAv(v_new, do, Aqk, scale)
     dh, dh0, dv2 = bwd_dhu(qg, kg, w, gk, h0, dht.to(h0.dtype), do, dv, scale)
@@ -219,9 +219,22 @@ def test_emit_bf16_is_the_cast():
 def test_fwd_scan_is_fwd_h_plus_fwd_o(T):
     s = _stage_inputs(T=T)
     o = fwd_o(s['q'], s['v_new'], s['gk'], s['Aqk'], s['h'], s['scale'])
-    o2, ht2 = fwd_scan(s['q'], s['kg'], s['w'], s['u'], s['gk'], s['Aqk'], s['h0'], True, s['scale'])
+    o2, ht2 = fwd_scan(s['q'], s['qg'], s['kg'], s['w'], s['u'], s['gk'], s['Aqk'], s['h0'], True, s['scale'])
     assert rel_err(o2, o) < 1e-14 and rel_err(ht2, s['ht']) < 1e-14
-    assert fwd_scan(s['q'], s['kg'], s['w'], s['u'], s['gk'], s['Aqk'], None, False, s['scale'])[1] is None
+    args = (s['kg'], s['w'], s['u'], s['gk'], s['Aqk'])
+    assert fwd_scan(s['q'], s['qg'], *args, None, False, s['scale'])[1] is None
+    # the oracle gates q itself: qg (the kernel's input) is not read
+    assert torch.equal(fwd_scan(s['q'], None, *args, s['h0'], True, s['scale'])[0], o2)
+
+
+def test_fwd_intra_returns_qg_only_when_asked():
+    """fla's chunk_kda_fwd_intra stores qg only with disable_recompute; the reference follows."""
+    s = _stage_inputs()
+    got = fwd_intra(s['q'], s['k'], s['v'], s['gk'], s['beta'], s['scale'], 64)
+    assert got[2] is None
+    for a, b in zip(got[:2] + got[3:], (s['w'], s['u'], s['kg'], s['Aqk'], s['Akk']), strict=True):
+        assert torch.equal(a, b)
+    assert rel_err(s['qg'], s['q'].repeat_interleave(2, 2) * torch.exp2(s['gk'])) < 1e-14
 
 
 def test_recompute_w_u_matches_fwd_intra():
@@ -290,7 +303,7 @@ def test_stage_dtypes_for_bf16_inputs():
     }
     assert {n: s[n].dtype for n in expect} == expect
     o = fwd_o(s['q'], s['v_new'], s['gk'], s['Aqk'], s['h'], s['scale'])
-    o2, ht2 = fwd_scan(s['q'], s['kg'], s['w'], s['u'], s['gk'], s['Aqk'], s['h0'], True, s['scale'])
+    o2, ht2 = fwd_scan(s['q'], s['qg'], s['kg'], s['w'], s['u'], s['gk'], s['Aqk'], s['h0'], True, s['scale'])
     assert (o.dtype, o2.dtype, ht2.dtype) == (bf, bf, f32)
     w, u, qg, kg = recompute_w_u(s['q'], s['k'], s['v'], s['beta'], s['Akk'], s['gk'])
     assert (w.dtype, u.dtype, qg.dtype, kg.dtype) == (bf, bf, bf, bf)
@@ -382,7 +395,7 @@ def test_stages_match_fla(dtype):
 
     fi = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=64,
                              disable_recompute=True)
-    ours = fwd_intra(q, k, v, gk, beta, scale, 64)
+    ours = fwd_intra(q, k, v, gk, beta, scale, 64, want_qg=True)
     check('fwd_intra', ours[:4] + (_lower_rows(ours[4]), ours[5]), fi[:4] + (_lower_rows(fi[4]), fi[5]))
     w, u, qg, kg, Aqk, Akk = fi
     check('recompute_w_u', recompute_w_u(q, k, v, beta, Akk, gk),
@@ -392,7 +405,7 @@ def test_stages_match_fla(dtype):
     check('fwd_h', fwd_h(kg, w, u, gk, h0, True), (h, v_new, ht))
     o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=gk, A=Aqk, h=h, scale=scale)
     check('fwd_o', fwd_o(q, v_new, gk, Aqk, h, scale), o)
-    check('fwd_scan', fwd_scan(q, kg, w, u, gk, Aqk, h0, True, scale), (o, ht))
+    check('fwd_scan', fwd_scan(q, qg, kg, w, u, gk, Aqk, h0, True, scale), (o, ht))
 
     dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale)
     check('bwd_dAv', bwd_dAv(v_new, do, Aqk, scale), (dAqk, dv))

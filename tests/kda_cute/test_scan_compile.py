@@ -54,12 +54,31 @@ def test_b1_compiles():
     _check(b1.compile_for(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True), "kda_cute_b1")
 
 
-def test_fwd_compiles_gva():
-    d = _t()
-    _check(
-        fwd.compile_for(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], None, False, 0.088),
-        "kda_cute_fwd",
-    )
+def _fwd_args(d, kg_heads=None):
+    kg = d["kg"] if kg_heads is None else d["kg"][:, :, :kg_heads].contiguous()
+    return d["q"], d["qg"], kg, d["w"], d["u"], d["gk"], d["Aqk"]
+
+
+@pytest.mark.parametrize(
+    "nwg, state, dtype, kg_heads",
+    [
+        (1, False, torch.bfloat16, None),  # GVA: q has H=2 heads, qg / kg / w HV=4
+        (1, True, torch.bfloat16, 2),  # kg at the qk heads too (ratio_k = 2)
+        (2, True, torch.bfloat16, None),
+        (2, False, torch.float16, 2),
+        (1, True, torch.float16, None),
+    ],
+)
+def test_fwd_compiles(nwg, state, dtype, kg_heads):
+    """kda_cute_fwd reads qg (no in-kernel gating of q): 1 / 2 warpgroups, with / without h0 and
+    ht, GVA, fp16. Its only exp2 is the per-chunk decay row (gk read for gd alone)."""
+    d = _t(V=256, dtype=dtype)
+    h0 = d["h0"] if state else None
+    c = fwd.compile_for(*_fwd_args(d, kg_heads), h0, state, 0.088, warpgroups=nwg)
+    _check(c, "kda_cute_fwd")
+    body = _ptx(c).split(".entry", 1)[-1]
+    if body:
+        assert body.count("ex2.approx") == 1, "q must arrive gated (qg): exp2 only for the gd row"
 
 
 def test_dhu_compiles_fp16():
@@ -73,10 +92,7 @@ def test_dhu_compiles_fp16():
 def test_two_warpgroup_variants_compile():
     d = _t(V=256)
     _check(b1.compile_for(d["kg"], d["w"], d["u"], d["gk"], None, False, warpgroups=2), "kda_cute_b1")
-    _check(
-        fwd.compile_for(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], d["h0"], True, 0.1, warpgroups=2),
-        "kda_cute_fwd",
-    )
+    _check(fwd.compile_for(*_fwd_args(d), d["h0"], True, 0.1, warpgroups=2), "kda_cute_fwd")
     _check(
         dhu.compile_for(
             d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1, stages=1, warpgroups=2
@@ -95,7 +111,8 @@ def test_lazy_scan_constants_match():
 def test_is_supported_needs_cuda_on_cpu():
     d = _t()
     assert "CUDA" in b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False)
-    assert "CUDA" in fwd.is_supported(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], None, False, 0.1)
+    assert "CUDA" in fwd.is_supported(*_fwd_args(d), None, False, 0.1)
+    assert "CUDA" in fwd.plan_reason(d["q"], d["u"])
     assert "CUDA" in dhu.is_supported(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1)
 
 
@@ -103,19 +120,17 @@ def test_static_reasons(monkeypatch):
     monkeypatch.setattr(dhu, "GRID_FLOOR", 0)  # a tiny grid here; the floor has its own test
     d = _t()
     assert b1.static_reason(d["kg"], d["w"], d["u"], d["gk"]) is None
-    assert fwd.static_reason(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"]) is None
+    assert fwd.static_reason(*_fwd_args(d)) is None
     assert dhu.static_reason(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"]) is None
     e = _t(K=64)
     assert "K=64" in b1.static_reason(e["kg"], e["w"], e["u"], e["gk"])
     e = _t(V=96)
-    assert "V=96" in fwd.static_reason(e["q"], e["kg"], e["w"], e["u"], e["gk"], e["Aqk"])
+    assert "V=96" in fwd.static_reason(*_fwd_args(e))
     assert "dtype" in b1.static_reason(d["kg"].float(), d["w"].float(), d["u"].float(), d["gk"])
     assert "fp32" in b1.static_reason(d["kg"], d["w"], d["u"], d["gk"].bfloat16())
     nc = d["w"].transpose(1, 2).contiguous().transpose(1, 2)
     assert "contiguous" in b1.static_reason(d["kg"], nc, d["u"], d["gk"])
-    assert "chunk 64" in fwd.static_reason(
-        d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"][..., :32].contiguous()
-    )
+    assert "chunk 64" in fwd.static_reason(*_fwd_args(d)[:-1], d["Aqk"][..., :32].contiguous())
     assert "HV % H" in dhu.static_reason(
         d["qg"][:, :, :3].contiguous(), d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"]
     )
@@ -134,8 +149,60 @@ def test_chain_offers_b1_and_dhu_but_not_the_slower_fwd(monkeypatch):
         monkeypatch.setattr(mod, "device_reason", lambda t: None)
     assert b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False) is None
     assert dhu.is_supported(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1) is None
-    r = fwd.is_supported(d["q"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], None, False, 0.1)
-    assert r == fwd.SLOWER_THAN_FLA and "measured" in r
+    r = fwd.is_supported(*_fwd_args(d), None, False, 0.1)
+    if fwd.SLOWER_THAN_FLA is None:  # the switch dropped: offered
+        assert r is None
+    else:
+        assert r == fwd.SLOWER_THAN_FLA and "measured" in r
+    # no qg (the chain asked fwd_intra for none): the reason says so, and why it was not asked for
+    r = fwd.is_supported(d["q"], None, *_fwd_args(d)[2:], None, False, 0.1)
+    assert r.startswith("qg not computed by fwd_intra")
+    assert fwd.SLOWER_THAN_FLA is None or fwd.SLOWER_THAN_FLA in r
+
+
+def _bad_qg(d):
+    qg = d["qg"]
+    return {
+        "not computed": None,
+        "[B, T, HV, 128]": d["q"],  # at the qk heads: not what fwd_intra stores
+        "share u's dtype": qg.float(),
+        "qg not contiguous": qg.transpose(1, 2).contiguous().transpose(1, 2),
+    }
+
+
+def test_fwd_static_reason_names_a_bad_qg():
+    d = _t()
+    for needle, qg in _bad_qg(d).items():
+        a = list(_fwd_args(d))
+        a[1] = qg
+        r = fwd.static_reason(*a)
+        assert r is not None and needle in r, (needle, r)
+
+
+def test_fwd_plan_reason(monkeypatch):
+    """plan_reason decides from the chain's inputs alone whether to ask fwd_intra for qg: it makes
+    the checks static_reason would, and answers SLOWER_THAN_FLA while that switch is set."""
+    monkeypatch.setattr(fwd, "device_reason", lambda t: None)
+    d = _t()
+    assert fwd.plan_reason(d["q"], d["u"], d["h0"]) == fwd.SLOWER_THAN_FLA
+    monkeypatch.setattr(fwd, "SLOWER_THAN_FLA", None)
+    assert fwd.plan_reason(d["q"], d["u"], d["h0"]) is None
+    assert fwd.plan_reason(d["q"], d["u"]) is None
+    assert fwd.is_supported(*_fwd_args(d), d["h0"], True, 0.1) is None
+    for kw, needle in (
+        (dict(K=64), "K=64"),
+        (dict(V=96), "V=96"),
+        (dict(dtype=torch.float32), "dtype"),
+        (dict(H=3), "HV % H"),
+    ):
+        e = _t(**kw)
+        r = fwd.plan_reason(e["q"], e["u"])
+        assert r is not None and needle in r, (kw, r)
+    assert "initial_state" in fwd.plan_reason(d["q"], d["u"], d["h0"].double())
+    assert "dtype" in fwd.plan_reason(d["q"].half(), d["u"])
+    monkeypatch.setattr(fwd, "GRID_FLOOR", 10**6)
+    assert "below the measured floor" in fwd.plan_reason(d["q"], d["u"])
+    assert "below the measured floor" in fwd.static_reason(*_fwd_args(d))
 
 
 def test_dhu_small_grid_goes_to_fla():

@@ -4,7 +4,7 @@ All three scans have the same skeleton, so it lives here once:
 
   * one warpgroup (128 threads) per (b, hv, 64-wide V tile); a CTA holds `nwg` of them
     (grid (V / (64 nwg), HV, B)). nwg = 1 is the default; nwg = 2 (V % 128 == 0) puts two V
-    tiles of one (b, hv) in a CTA so they share every V-independent operand tile (w, kg, q / qg,
+    tiles of one (b, hv) in a CTA so they share every V-independent operand tile (w, kg, qg,
     Aqk and gk's row) in smem: half the L2->SM traffic and smem for those, and two stages of
     prefetch fit where nwg = 1 fits one at two CTAs per SM. Each warpgroup keeps its own
     state, its own bf16 state / output buffers and its own TMA stores (issued by its thread 0);
@@ -31,7 +31,7 @@ repeatable. The first run hung: the TMA loads were issued by one thread, and eac
 `elect.sync` wants the whole warp (see `issue_chunk`).
 
 Global views (the mode order every TMA tile and smem layout is written against):
-    row view  (T, X, heads, B)      token-major operand tiles (A K-major: w, kg, qg, q, Aqk)
+    row view  (T, X, heads, B)      token-major operand tiles (A K-major: w, kg, qg, Aqk)
     col view  (X, T, heads, B)      feature-major tiles (A/B MN-major: kg^T, w^T, qg^T, u, do, dv,
                                     and the v_new / o / dv2 stores)
     state     (V, K, HV, NT, B)     per-chunk h / dh checkpoints (V contiguous, fla's layout)
@@ -49,7 +49,7 @@ the refill.
 
 Shared memory per CTA (bf16, KB; stages x operand tiles + per-warpgroup buffers):
     b1   nwg1: 40 S + 24        nwg2: 64 S + 48       (w, kg 16 each; u 8 per V tile)
-    fwd  nwg1: 64 S + 32        nwg2: 88 S + 64       (+ q 16, Aqk 8; o buffer 8)
+    fwd  nwg1: 64 S + 32        nwg2: 88 S + 64       (+ qg 16, Aqk 8; o buffer 8)
     dhu  nwg1: 64 S + 24        nwg2: 80 S + 48       (kg, qg, w 16 each; do, dv 8 per V tile)
 Registers (ptxas via the DSL, sm_90a, no local memory): 168-212 per thread in every variant.
 """
@@ -280,21 +280,6 @@ def prologue(mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads,
 def wgmma_wait():
     cute.nvgpu.warpgroup.commit_group()
     cute.nvgpu.warpgroup.wait_group(0)
-
-
-@cute.jit
-def gate_rows_inplace(sX: cute.Tensor, mG: cute.Tensor, t0, T, hv, b, tid, nwg: cutlass.Constexpr):
-    """sX[t, k] = bf16(sX[t, k] * exp2(g[t0 + t, k])) for a (64, 128) tile; thread tid owns column
-    k = tid % 128 and every nwg-th row (coalesced fp32 reads of g, conflict-free smem); rows past T
-    read g = 0 (X is 0 there)."""
-    k = tid % KD
-    r0 = tid // KD
-    for i in cutlass.range_constexpr(BT // nwg):
-        t = i * nwg + r0
-        g = cutlass.Float32(0.0)
-        if t0 + t < T:
-            g = mG[t0 + t, k, hv, b]
-        sX[t, k] = (sX[t, k].to(cutlass.Float32) * cute.arch.exp2(g)).to(sX.element_type)
 
 
 @cute.jit

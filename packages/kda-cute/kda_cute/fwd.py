@@ -13,18 +13,27 @@ input dtype). Aqk's strictly-upper triangle is masked in smem (fla's intra leave
 
 CTA decomposition: `kda_cute._scan` (one warpgroup per (b, hv, 64-wide V tile), state as the wgmma
 accumulator of `kg^T @ v_new`, bf16 state in smem as the shared B operand of `w @ h` and `qg @ h`,
-which are issued in one wgmma group). q arrives by TMA with w, kg, u, Aqk and is gated in place in
-smem (thread k reads column k of gk: coalesced fp32, one exp2 per element, as fla's fwd_o does);
-o is staged in smem and leaves by TMA store. No per-chunk state leaves the CTA.
+which are issued in one wgmma group). qg arrives ready-gated by TMA with w, kg, u, Aqk: fla's
+fwd_intra writes it next to w, u, kg (`disable_recompute`, the chain's fwd_intra(want_qg=True)),
+one value head per row block, so GVA needs no q-head ratio here. gk is read only for the
+per-chunk decay row exp2(gd). o is staged in smem and leaves by TMA store. No per-chunk state
+leaves the CTA. q stays in the contract (fla's fwd_o and the reference read it) but is not read.
 
-Measured on the H200 (2026-11-30): correctness as in `kda_cute._scan`'s docstring.
-Speed at B16 T8192 H16 V256 bf16, same run: 3.864 ms (2 stages, two V tiles per CTA) vs fla's
-fwd_h + fwd_o 3.894 ms = 1.01x (target 2.2x: NOT met); one V tile per CTA 10.02 ms (2 stages,
-160 KB smem: one CTA per SM) and 5.44 (1 stage). B2 T4096: 0.687 vs 0.449 ms. Not faster than
-fla, so is_supported answers SLOWER_THAN_FLA and the chain runs fla's two kernels. Leads: the
-per-chunk q gating pass in smem (64 exp2 + 2 smem round trips per thread per chunk, before the
-wgmma can start) and three CTA barriers per chunk serialize what fla overlaps across its two
-kernels; a producer warp that gates q for chunk c+1 while chunk c's GEMMs run is the next try.
+Why qg and not q: the first design loaded q and gated it in place in smem (every thread read
+fp32 gk rows from global, exp2, wrote smem back) after the stage's mbarrier wait and before the
+first wgmma of the chunk could start: a gk round trip to global and 64 exp2 per thread sitting
+in the serial per-chunk loop. fla's fwd_intra produces qg for almost nothing (it already writes
+w, u, kg in that pass), so the gating now happens there, off the recurrence's critical path.
+
+Measured on the H200 (2026-11-30), OLD design (q gated in the kernel): correctness as in
+`kda_cute._scan`'s docstring. Speed at B16 T8192 H16 V256 bf16, same run: 3.864 ms (2 stages,
+two V tiles per CTA) vs fla's fwd_h + fwd_o 3.894 ms = 1.01x (target 2.2x: NOT met); one V tile
+per CTA 10.02 ms (2 stages, 160 KB smem: one CTA per SM) and 5.44 (1 stage). B2 T4096: 0.687 vs
+0.449 ms. Not faster than fla, so is_supported (and plan_reason) answer SLOWER_THAN_FLA and the
+chain runs fla's two kernels. The qg design (this code) compiles for sm_90a but is NOT yet run
+or timed on a GPU: SLOWER_THAN_FLA stays until it is (set it to None to offer the kernel).
+Other leads from the old profile: three CTA barriers per chunk serialize what fla overlaps
+across its two kernels.
 
 Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
 chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
@@ -41,20 +50,23 @@ from ._common.support import compile_arch, device_reason
 from .b1 import _DT, S, _cutlass_dtype, _dummy, floor_reason, operand_reason
 
 STAGES = 2
-WARPGROUPS = 2  # 3.864 ms vs 10.02 (one V tile per CTA, 2 stages) / 5.44 (one, 1 stage): ref shape
+WARPGROUPS = 2  # old design: 3.864 ms vs 10.02 (one V tile per CTA, 2 stages) / 5.44 (1 stage), ref shape
 GRID_FLOOR = 0
-# Correct everywhere it was checked, but not faster than fla's fwd_h + fwd_o: the chain keeps fla
-# for this stage until it is (the kernel stays callable directly, as bench/check_scans.py does).
-SLOWER_THAN_FLA = (
-    "measured no faster than fla's fwd_h + fwd_o on the H200 (3.86 vs 3.89 ms at B16 T8192 H16 V256, "
-    "0.69 vs 0.45 ms at B2 T4096; bench/results/scans_2026-11-30.md)"
+# The one switch that keeps the chain on fla for this stage: is_supported and plan_reason answer it
+# while it is set (the kernel stays callable directly, as bench/check_scans.py does). The measured
+# numbers are the OLD design's (q gated in the kernel); the qg design is not timed yet. Set it to
+# None once the qg kernel is measured faster than fla's fwd_h + fwd_o.
+SLOWER_THAN_FLA: str | None = (
+    "old design (q gated in kernel) measured no faster than fla's fwd_h + fwd_o on the H200 (3.86 vs "
+    "3.89 ms at B16 T8192 H16 V256, 0.69 vs 0.45 ms at B2 T4096; bench/results/scans_2026-11-30.md); "
+    "the qg design is not timed yet"
 )
 _cache = CallCache("kda_cute_fwd")
 
 
 class _Fwd:
-    def __init__(self, dtype, V, HV, ratio_q, ratio_k, has_h0, store_ht, scale, stages, nwg=1):
-        self.dtype, self.V, self.HV, self.ratio_q, self.ratio_k = dtype, V, HV, ratio_q, ratio_k
+    def __init__(self, dtype, V, HV, ratio_k, has_h0, store_ht, scale, stages, nwg=1):
+        self.dtype, self.V, self.HV, self.ratio_k = dtype, V, HV, ratio_k
         self.has_h0, self.store_ht, self.scale, self.stages, self.nwg = has_h0, store_ht, scale, stages, nwg
 
     def _layouts(self, with_struct=False):
@@ -63,7 +75,7 @@ class _Fwd:
 
         dt, st, nwg = self.dtype, self.stages, self.nwg
         self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # w (t, k), shared by the warpgroups
-        self.l_q = S.smem_layout(dt, S.BT, S.KD, True, st)  # q -> qg (t, k), shared
+        self.l_q = S.smem_layout(dt, S.BT, S.KD, True, st)  # qg (t, k), shared
         self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # kg^T (k, t), shared
         self.l_u = S.smem_layout(dt, S.BV, S.BT, False, st * nwg)  # u (v, t) per (stage, warpgroup)
         self.l_a = S.smem_layout(dt, S.BT, S.BT, True, st)  # Aqk (t, s), shared
@@ -96,10 +108,10 @@ class _Fwd:
         this = self
 
         @cute.jit
-        def run(q, kg, w, u, gk, aqk, h0, o, ht, stream):
+        def run(qg, kg, w, u, gk, aqk, h0, o, ht, stream):
             this._layouts(with_struct=True)
             atom_w, tma_w = S.tma_load(S.row_view(w), this.l_w, (S.BT, S.KD))
-            atom_q, tma_q = S.tma_load(S.row_view(q), this.l_q, (S.BT, S.KD))
+            atom_q, tma_q = S.tma_load(S.row_view(qg), this.l_q, (S.BT, S.KD))
             atom_kg, tma_kg = S.tma_load(S.col_view(kg), this.l_kg, (S.KD, S.BT))
             atom_u, tma_u = S.tma_load(S.col_view(u), this.l_u, (S.BV, S.BT))
             atom_a, tma_a = S.tma_load(S.row_view(aqk), this.l_a, (S.BT, S.BT))
@@ -118,7 +130,6 @@ class _Fwd:
                 tma_a,
                 atom_o,
                 tma_o,
-                S.row_view(gk),
                 S.col_view(gk),
                 S.fp32_state_view(h0),
                 S.fp32_state_view(ht),
@@ -157,7 +168,6 @@ def _fwd_kernel(cfg):
             tma_a,
             atom_o,
             tma_o,
-            mGr,
             mGc,
             mH0,
             mHt,
@@ -169,7 +179,6 @@ def _fwd_kernel(cfg):
             cta = S.Cta(cfg, mGc)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
             hk, T, NT, st, mbar, sG = cta.hk, cta.T, cta.NT, cta.st, cta.mbar, cta.sG
-            hq = cta.hq
             sW = S.smem_tensor(st.sW, cfg.l_w)
             sQ = S.smem_tensor(st.sQ, cfg.l_q)
             sKg = S.smem_tensor(st.sKg, cfg.l_kg)
@@ -183,7 +192,7 @@ def _fwd_kernel(cfg):
             sO = sOall[None, None, wg]
 
             tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.BT, S.KD), (None, 0, hv, b)))
-            tQs, tQg = S.tma_part(atom_q, sQ, cute.local_tile(tma_q, (S.BT, S.KD), (None, 0, hq, b)))
+            tQs, tQg = S.tma_part(atom_q, sQ, cute.local_tile(tma_q, (S.BT, S.KD), (None, 0, hv, b)))
             tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.KD, S.BT), (0, None, hk, b)))
             tAs, tAg = S.tma_part(atom_a, sA, cute.local_tile(tma_a, (S.BT, S.BT), (None, 0, hv, b)))
             tOs, tOg = S.tma_part(atom_o, sO, cute.local_tile(tma_o, (S.BV, S.BT), (vt, None, hv, b)))
@@ -234,7 +243,6 @@ def _fwd_kernel(cfg):
                 S.load_row_scale(sG, mGc[None, last, hv, b], tid)
                 S.frag_to_smem(acc, tSsH, cfg.dtype)
                 cute.arch.mbarrier_wait(mbar + s, phase)
-                S.gate_rows_inplace(sQ[None, None, s], mGr, c * S.BT, T, hv, b, tid, nwg)
                 S.mask_upper(sA[None, None, s], tid, S.THREADS * nwg)
                 S.sync_smem_for_async()
                 # P = w @ bf16(h), O = qg @ bf16(h)   (one wgmma group)
@@ -274,29 +282,72 @@ def _fwd_kernel(cfg):
 
 # ------------------------------------------------------------------------------------ host side
 def is_supported(
-    q, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None
+    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None
 ) -> str | None:
-    return device_reason(u) or static_reason(q, kg, w, u, gk, Aqk, initial_state) or SLOWER_THAN_FLA
+    r = device_reason(u) or static_reason(q, qg, kg, w, u, gk, Aqk, initial_state)
+    if qg is None:  # say why the chain did not ask fwd_intra for it (u has v's shape and dtype)
+        why = plan_reason(q, u, initial_state)
+        return f"{r}: {why}" if why and why != r else r
+    return r or SLOWER_THAN_FLA
 
 
-def static_reason(q, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
+def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
+    """Shape / dtype / layout checks and the grid floor (no device needed). q is not read by the
+    kernel (qg replaces it), so it is not checked; qg must be what fwd_intra(want_qg=True) gives."""
+    if qg is None:
+        return "qg not computed by fwd_intra"
     r = operand_reason(kg, w, u, gk, initial_state)
     if r:
         return r
     B, T, HV, V = u.shape
-    if q.dtype != u.dtype or Aqk.dtype != u.dtype:
-        return "q, Aqk must share u's dtype"
-    if q.dim() != 4 or q.shape[0] != B or q.shape[1] != T or q.shape[3] != S.KD or HV % q.shape[2]:
-        return "q must be [B, T, H, 128] with HV % H == 0"
+    if qg.dtype != u.dtype or Aqk.dtype != u.dtype:
+        return "qg, Aqk must share u's dtype"
+    if tuple(qg.shape) != (B, T, HV, S.KD):
+        return "qg must be [B, T, HV, 128] (one row per value head)"
     if tuple(Aqk.shape) != (B, T, HV, S.BT):
         return "Aqk must be [B, T, HV, 64] (chunk 64)"
-    for name, t in (("q", q), ("Aqk", Aqk)):
+    for name, t in (("qg", qg), ("Aqk", Aqk)):
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
     return floor_reason(u.shape, GRID_FLOOR)
 
 
-def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups):
+def plan_reason(q, v, initial_state=None) -> str | None:
+    """Would this kernel take a chain call on q [B, T, H, K], v [B, T, HV, V]? From the chain's
+    inputs alone, before fwd_intra runs: the chain asks fwd_intra for qg only when this is None.
+
+    Makes the checks of is_supported that the inputs decide (device, dtype, K, V, T, heads,
+    initial_state, grid floor) and answers SLOWER_THAN_FLA while that is set, so no qg is computed
+    for a kernel the chain would not run. The intermediates (fresh, contiguous, the shapes fla's
+    fwd_intra gives) are checked by is_supported when the stage is called."""
+    r = device_reason(v)
+    if r:
+        return r
+    if q.dim() != 4 or v.dim() != 4:
+        return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if v.dtype not in _DT:
+        return f"dtype {v.dtype} (bf16/fp16 only)"
+    if q.dtype != v.dtype:
+        return "q, k, v must share one dtype"
+    if K != S.KD:
+        return f"K={K} (only K=128)"
+    if V % S.BV:
+        return f"V={V} (V % 64 != 0)"
+    if T < 1:
+        return "T=0"
+    if tuple(v.shape[:2]) != (B, T) or HV % H:
+        return "v must be [B, T, HV, V] with HV % H == 0"
+    if initial_state is not None:
+        if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != (B, HV, K, V):
+            return "initial_state must be fp32 [B, HV, K, V]"
+        if not initial_state.is_contiguous() or initial_state.data_ptr() % 16:
+            return "initial_state not contiguous / aligned"
+    return floor_reason(v.shape, GRID_FLOOR) or SLOWER_THAN_FLA
+
+
+def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups):
     B, T, HV, V = u.shape
     nwg = S.pick_warpgroups(V, WARPGROUPS if warpgroups is None else warpgroups)
     K = kg.shape[-1]
@@ -311,7 +362,6 @@ def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages
         _DT[u.dtype],
         V,
         HV,
-        HV // q.shape[2],
         HV // kg.shape[2],
         initial_state is not None,
         bool(output_final_state),
@@ -320,13 +370,12 @@ def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages
         compile_arch(),
     )
     h0 = initial_state if initial_state is not None else dummy
-    args = (q, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy)
+    args = (qg, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy)
     dyn = ((0, 1),) * 6 + ((0,) if initial_state is not None else (), (0, 1), (0,) if ht is not None else ())
     cfg = _Fwd(
         _cutlass_dtype(u.dtype),
         V,
         HV,
-        HV // q.shape[2],
         HV // kg.shape[2],
         initial_state is not None,
         bool(output_final_state),
@@ -339,6 +388,7 @@ def _plan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages
 
 def compile_for(
     q,
+    qg,
     kg,
     w,
     u,
@@ -351,15 +401,16 @@ def compile_for(
     stages=STAGES,
     warpgroups=None,
 ):
-    """Compile without launching (CPU tests); returns the compiled object."""
+    """Compile without launching (CPU tests); returns the compiled object. q is not read."""
     _, _, args, dyn, cfg = _plan(
-        q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
+        qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
     )
     return S.compile_only(cfg, args, dyn)
 
 
 def fwd_scan(
     q,
+    qg,
     kg,
     w,
     u,
@@ -372,9 +423,12 @@ def fwd_scan(
     stages=STAGES,
     warpgroups=None,
 ):
-    """fwd_h + fwd_o fused -> (o, ht). `stages` / `warpgroups`: the compiled variant (see b1.fwd_h)."""
+    """fwd_h + fwd_o fused -> (o, ht). qg = bf16(q * exp2(gk)) [B, T, HV, K] in u's dtype, as
+    fla's fwd_intra stores it with disable_recompute (the chain's fwd_intra(want_qg=True)); q is
+    not read (it stays in the contract for fla and the reference). `stages` / `warpgroups`: the
+    compiled variant (see b1.fwd_h)."""
     outs, key, args, dyn, cfg = _plan(
-        q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
+        qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
     )
 
     def build(views, stream):

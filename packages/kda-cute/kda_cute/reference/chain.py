@@ -103,7 +103,7 @@ def chunk_kda_reference_fwd(
         beta = beta_sigmoid_fwd(beta_raw, 2.0 if allow_neg_eigval else 1.0)
     gk = gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
     w, u, _, kg, Aqk, Akk = fwd_intra(q, k, v, gk, beta, scale, chunk_size)
-    o, ht = fwd_scan(q, kg, w, u, gk, Aqk, initial_state, output_final_state, scale)
+    o, ht = fwd_scan(q, None, kg, w, u, gk, Aqk, initial_state, output_final_state, scale)
     saved = KDASaved(
         q=q, q_rstd=q_rstd, k=k, k_rstd=k_rstd, v=v, g_raw=g,
         gk=None if use_gate_in_kernel else gk, beta_raw=beta_raw, beta=beta,

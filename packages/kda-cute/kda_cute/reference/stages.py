@@ -265,13 +265,16 @@ def fwd_intra(
     beta: torch.Tensor,
     scale: float,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, ...]:
-    """The intra-chunk factors (fla: chunk_kda_fwd_intra, with qg always produced).
+    want_qg: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """The intra-chunk factors (fla: chunk_kda_fwd_intra, `disable_recompute=want_qg`).
 
     Returns w [B,T,HV,K] (k.dtype), u [B,T,HV,V] (v.dtype), qg, kg [B,T,HV,K] (k.dtype),
-    Aqk, Akk [B,T,HV,BT] (k.dtype). Aqk is lower-triangular including the diagonal and scaled;
-    Akk = (I + L)^-1 (unit lower-triangular), L_ij = beta_i k_i.k_j exp2(gk_i - gk_j), i > j.
-    Entries above the diagonal are zero (fla leaves Aqk's unwritten; consumers mask them)."""
+    Aqk, Akk [B,T,HV,BT] (k.dtype). qg = q exp2(gk) at the value heads is returned only with
+    want_qg (None otherwise), as fla stores it only then. Aqk is lower-triangular including the
+    diagonal and scaled; Akk = (I + L)^-1 (unit lower-triangular),
+    L_ij = beta_i k_i.k_j exp2(gk_i - gk_j), i > j. Entries above the diagonal are zero (fla
+    leaves Aqk's unwritten; consumers mask them)."""
     T, HV = k.shape[1], v.shape[2]
     BT = chunk_size
     dt = compute_dtype(q, k, v, gk, beta)
@@ -292,7 +295,7 @@ def fwd_intra(
     w, u, qg, kg = _w_u_qg_kg(qc, kc, _to_chunks(v, BT, dt), bc, Akk, Gc, valid)
     return (
         _from_chunks(w, T, k.dtype), _from_chunks(u, T, v.dtype),
-        _from_chunks(qg, T, k.dtype), _from_chunks(kg, T, k.dtype),
+        _from_chunks(qg, T, k.dtype) if want_qg else None, _from_chunks(kg, T, k.dtype),
         _from_chunks(Aqk, T, k.dtype), _from_chunks(Akk, T, k.dtype),
     )
 
@@ -386,6 +389,7 @@ def fwd_o(
 
 def fwd_scan(
     q: torch.Tensor,
+    qg: torch.Tensor | None,
     kg: torch.Tensor,
     w: torch.Tensor,
     u: torch.Tensor,
@@ -396,6 +400,7 @@ def fwd_scan(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fwd_h and fwd_o fused: the readout happens inside the scan, h is never stored.
+    qg (fwd_intra's, or None) is ignored: the oracle gates q with gk itself, in the compute dtype.
     Returns o [B,T,HV,V] in u.dtype and ht [B,HV,K,V] float32 or None."""
     T, HV = u.shape[1], u.shape[2]
     BT = Aqk.shape[-1]
