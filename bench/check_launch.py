@@ -143,6 +143,53 @@ def _chain_step(B, T, H, V):
     return {"ours": lambda: step(chunk_kda), "fla": lambda: step(fla_kda)}
 
 
+def stage_host_times(step, steps):
+    """Host time per chain stage (choose = the gates, run = the implementation's call), summed over
+    `steps` steps on every thread, against the whole step's host time: what is left over is the
+    chain's own machinery (validation, autograd, contiguous, the dispatch record)."""
+    from collections import defaultdict
+
+    from kda_chain import stages as S
+
+    acc = defaultdict(float)
+    saved = {}
+    for st in S.STAGES.values():
+        saved[st.name] = (st.choose, st.run)
+
+        def choose(*a, _st=st, _f=st.choose, **k):
+            t0 = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                acc[(_st.name, "choose")] += time.perf_counter() - t0
+
+        def run(impl, reason, *a, _st=st, _f=st.run, **k):
+            t0 = time.perf_counter()
+            try:
+                return _f(impl, reason, *a, **k)
+            finally:
+                acc[(_st.name, impl.name)] += time.perf_counter() - t0
+
+        st.choose, st.run = choose, run
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        total = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        for st in S.STAGES.values():
+            st.choose, st.run = saved[st.name]
+    print(f"\n### ours: host us per step, per stage ({steps} steps, no sync inside)", flush=True)
+    print("| stage | impl | host us |\n|---|---|---|")
+    for (name, what), t in sorted(acc.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {what} | {t / steps * 1e6:.1f} |")
+    inside = sum(acc.values())
+    print(f"| (all stages) | | {inside / steps * 1e6:.1f} |\n| (whole step) | | {total / steps * 1e6:.1f} |",
+          flush=True)
+
+
 def host_profile(B, T, H, V, steps=10):
     """Where our chain's host time goes: (1) every synchronizing CUDA call made during one step
     (torch's sync debug mode, warnings recorded on every thread), (2) cProfile of `steps` steps
@@ -172,6 +219,7 @@ def host_profile(B, T, H, V, steps=10):
         print(f"{name}: {len(syncs)} synchronizing call sites in one step", flush=True)
         for line in syncs[:20]:
             print("   ", line, flush=True)
+    stage_host_times(fns["ours"], steps)
     torch.autograd.set_multithreading_enabled(False)
     try:
         for name, fn in fns.items():
