@@ -317,11 +317,12 @@ def main():
     ok2 = True
     if not a.no_check:
         for name, B, T, H, HV, V, dt, h0 in SHAPES[:3]:
-            ok2 &= check_shape(name, B, T, H, HV, V, dt, h0, var=(2, 2))
+            for var in ((2, 2), (1, 2)):
+                ok2 &= check_shape(name, B, T, H, HV, V, dt, h0, var=var)
         print("ALL PASS (2 warpgroups)" if ok2 else "SOME FAIL (2 warpgroups)", flush=True)
     if not a.no_time:
         v2 = [(2, 2), (1, 2)]
-        rows2 = time_shape(16, 8192, 16, 16, 256, v2)
+        rows2 = time_shape(16, 8192, 16, 16, 256, v2) + time_shape(2, 4096, 16, 16, 256, v2)
         print_table(rows1, v1)
         print_table(rows2, v2)
 

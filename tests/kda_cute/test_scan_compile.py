@@ -140,24 +140,27 @@ def test_static_reasons(monkeypatch):
     )
 
 
-def test_chain_offers_b1_and_dhu_but_not_the_slower_fwd(monkeypatch):
-    """On a GPU that passes every other check, b1 and dhu are offered; fwd answers its measured
-    reason (no faster than fla on the H200), so the chain keeps fla's forward."""
+def test_chain_offers_the_three_scans(monkeypatch):
+    """On a GPU that passes every other check, b1, dhu and fwd are offered; fwd without qg (the
+    chain asked fwd_intra for none) answers why."""
     d = _t()
     monkeypatch.setattr(dhu, "GRID_FLOOR", 0)  # a tiny grid here; the floor has its own test
     for mod in (b1, fwd, dhu):
         monkeypatch.setattr(mod, "device_reason", lambda t: None)
     assert b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False) is None
     assert dhu.is_supported(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1) is None
-    r = fwd.is_supported(*_fwd_args(d), None, False, 0.1)
-    if fwd.SLOWER_THAN_FLA is None:  # the switch dropped: offered
-        assert r is None
-    else:
-        assert r == fwd.SLOWER_THAN_FLA and "measured" in r
-    # no qg (the chain asked fwd_intra for none): the reason says so, and why it was not asked for
+    assert fwd.is_supported(*_fwd_args(d), None, False, 0.1) is None
     r = fwd.is_supported(d["q"], None, *_fwd_args(d)[2:], None, False, 0.1)
     assert r.startswith("qg not computed by fwd_intra")
-    assert fwd.SLOWER_THAN_FLA is None or fwd.SLOWER_THAN_FLA in r
+
+
+def test_fwd_variant_by_grid():
+    """Two warpgroups (1 stage) once the grid is wide, else one (2 stages); V % 128 for two."""
+    assert fwd.variant(16, 16, 256) == (1, 2)  # the reference shape: 1024 V tiles
+    assert fwd.variant(2, 16, 256) == (2, 1)  # 128 tiles
+    assert fwd.variant(64, 16, 64) == (2, 1)  # one V tile per head: no pair
+    n = fwd.WIDE_FROM_TILES
+    assert fwd.variant(n // 2, 1, 128) == (1, 2) and fwd.variant(n // 2 - 1, 1, 128) == (2, 1)
 
 
 def _bad_qg(d):
@@ -181,11 +184,9 @@ def test_fwd_static_reason_names_a_bad_qg():
 
 def test_fwd_plan_reason(monkeypatch):
     """plan_reason decides from the chain's inputs alone whether to ask fwd_intra for qg: it makes
-    the checks static_reason would, and answers SLOWER_THAN_FLA while that switch is set."""
+    the checks static_reason would."""
     monkeypatch.setattr(fwd, "device_reason", lambda t: None)
     d = _t()
-    assert fwd.plan_reason(d["q"], d["u"], d["h0"]) == fwd.SLOWER_THAN_FLA
-    monkeypatch.setattr(fwd, "SLOWER_THAN_FLA", None)
     assert fwd.plan_reason(d["q"], d["u"], d["h0"]) is None
     assert fwd.plan_reason(d["q"], d["u"]) is None
     assert fwd.is_supported(*_fwd_args(d), d["h0"], True, 0.1) is None

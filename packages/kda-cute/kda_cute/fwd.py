@@ -25,15 +25,15 @@ first wgmma of the chunk could start: a gk round trip to global and 64 exp2 per 
 in the serial per-chunk loop. fla's fwd_intra produces qg for almost nothing (it already writes
 w, u, kg in that pass), so the gating now happens there, off the recurrence's critical path.
 
-Measured on the H200 (2026-11-30), OLD design (q gated in the kernel): correctness as in
-`kda_cute._scan`'s docstring. Speed at B16 T8192 H16 V256 bf16, same run: 3.864 ms (2 stages,
-two V tiles per CTA) vs fla's fwd_h + fwd_o 3.894 ms = 1.01x (target 2.2x: NOT met); one V tile
-per CTA 10.02 ms (2 stages, 160 KB smem: one CTA per SM) and 5.44 (1 stage). B2 T4096: 0.687 vs
-0.449 ms. Not faster than fla, so is_supported (and plan_reason) answer SLOWER_THAN_FLA and the
-chain runs fla's two kernels. The qg design (this code) compiles for sm_90a but is NOT yet run
-or timed on a GPU: SLOWER_THAN_FLA stays until it is (set it to None to offer the kernel).
-Other leads from the old profile: three CTA barriers per chunk serialize what fla overlaps
-across its two kernels.
+Measured on the H200 (2026-12-01, bench/results/scans_2026-12-01.md), this design: o and ht
+within fla's error vs float64 at 5 shapes (ref b0, GVA ragged tail, fp16, T = 64, h0 + ht; also
+with two warpgroups), bitwise repeatable. B16 T8192 H16 V256 bf16, same run: 1.687 ms (1 stage x
+2 warpgroups) vs fla's fwd_h + fwd_o 4.011 ms = 2.38x (in a second table of the same run fla took
+3.827: 2.27x); B2 T4096: 0.211 vs 0.412 ms (1.95x, 2 stages x 1 warpgroup). The extra qg store
+costs fla's fwd_intra a few percent (chain numbers: README). `variant()` picks the build per grid.
+The first design (q gated in the kernel, 2026-11-30): 3.864 vs 3.894 ms = 1.01x, so the gating
+pass was most of the kernel's time. Left on the table: the upper-triangle mask of Aqk in smem per
+chunk and three CTA barriers per chunk.
 
 Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
 chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
@@ -49,19 +49,22 @@ from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
 from .b1 import _DT, S, _cutlass_dtype, _dummy, floor_reason, operand_reason
 
-STAGES = 2
-WARPGROUPS = 2  # old design: 3.864 ms vs 10.02 (one V tile per CTA, 2 stages) / 5.44 (1 stage), ref shape
+# The compiled variant, by grid (measured on the H200, 2026-12-01, same run as fla, bench/results/
+# scans_2026-12-01.md): at B16 T8192 H16 V256 (1024 V tiles) 1 stage x 2 warpgroups 1.687 ms
+# against 1.896 (2 stages x 1), 2.025 (1 x 1), 2.356 (2 x 2: 2 stages of two warpgroups' tiles
+# leave one CTA per SM); at B2 T4096 (128 tiles) 2 x 1 0.211 ms against 0.252 (1 x 1), where two
+# warpgroups per CTA would leave half the SMs idle. Between the two grids it is not measured: two
+# warpgroups once their CTAs fill the 132 SMs about four times over.
+WIDE_FROM_TILES = 512
 GRID_FLOOR = 0
-# The one switch that keeps the chain on fla for this stage: is_supported and plan_reason answer it
-# while it is set (the kernel stays callable directly, as bench/check_scans.py does). The measured
-# numbers are the OLD design's (q gated in the kernel); the qg design is not timed yet. Set it to
-# None once the qg kernel is measured faster than fla's fwd_h + fwd_o.
-SLOWER_THAN_FLA: str | None = (
-    "old design (q gated in kernel) measured no faster than fla's fwd_h + fwd_o on the H200 (3.86 vs "
-    "3.89 ms at B16 T8192 H16 V256, 0.69 vs 0.45 ms at B2 T4096; bench/results/scans_2026-11-30.md); "
-    "the qg design is not timed yet"
-)
 _cache = CallCache("kda_cute_fwd")
+
+
+def variant(B: int, HV: int, V: int) -> tuple[int, int]:
+    """(stages, warpgroups) for this grid (see WIDE_FROM_TILES)."""
+    if V % (2 * S.BV) == 0 and B * HV * (V // S.BV) >= WIDE_FROM_TILES:
+        return 1, 2
+    return 2, 1
 
 
 class _Fwd:
@@ -288,7 +291,7 @@ def is_supported(
     if qg is None:  # say why the chain did not ask fwd_intra for it (u has v's shape and dtype)
         why = plan_reason(q, u, initial_state)
         return f"{r}: {why}" if why and why != r else r
-    return r or SLOWER_THAN_FLA
+    return r
 
 
 def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
@@ -317,8 +320,8 @@ def plan_reason(q, v, initial_state=None) -> str | None:
     inputs alone, before fwd_intra runs: the chain asks fwd_intra for qg only when this is None.
 
     Makes the checks of is_supported that the inputs decide (device, dtype, K, V, T, heads,
-    initial_state, grid floor) and answers SLOWER_THAN_FLA while that is set, so no qg is computed
-    for a kernel the chain would not run. The intermediates (fresh, contiguous, the shapes fla's
+    initial_state, grid floor), so no qg is computed for a kernel the chain would not run. The
+    intermediates (fresh, contiguous, the shapes fla's
     fwd_intra gives) are checked by is_supported when the stage is called."""
     r = device_reason(v)
     if r:
@@ -344,12 +347,14 @@ def plan_reason(q, v, initial_state=None) -> str | None:
             return "initial_state must be fp32 [B, HV, K, V]"
         if not initial_state.is_contiguous() or initial_state.data_ptr() % 16:
             return "initial_state not contiguous / aligned"
-    return floor_reason(v.shape, GRID_FLOOR) or SLOWER_THAN_FLA
+    return floor_reason(v.shape, GRID_FLOOR)
 
 
 def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups):
     B, T, HV, V = u.shape
-    nwg = S.pick_warpgroups(V, WARPGROUPS if warpgroups is None else warpgroups)
+    auto_stages, auto_wg = variant(B, HV, V)
+    stages = auto_stages if stages is None else stages
+    nwg = S.pick_warpgroups(V, auto_wg if warpgroups is None else warpgroups)
     K = kg.shape[-1]
     if scale is None:
         scale = K**-0.5
@@ -398,7 +403,7 @@ def compile_for(
     output_final_state=False,
     scale=None,
     *,
-    stages=STAGES,
+    stages=None,
     warpgroups=None,
 ):
     """Compile without launching (CPU tests); returns the compiled object. q is not read."""
@@ -420,13 +425,13 @@ def fwd_scan(
     output_final_state=False,
     scale=None,
     *,
-    stages=STAGES,
+    stages=None,
     warpgroups=None,
 ):
     """fwd_h + fwd_o fused -> (o, ht). qg = bf16(q * exp2(gk)) [B, T, HV, K] in u's dtype, as
     fla's fwd_intra stores it with disable_recompute (the chain's fwd_intra(want_qg=True)); q is
     not read (it stays in the contract for fla and the reference). `stages` / `warpgroups`: the
-    compiled variant (see b1.fwd_h)."""
+    compiled variant, by default `variant(B, HV, V)`."""
     outs, key, args, dyn, cfg = _plan(
         qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
     )
