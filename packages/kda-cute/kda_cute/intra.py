@@ -503,6 +503,21 @@ def _build_kernel_class():
                     if lane == 0:
                         sDbp[row, wig] = v
 
+            # db_in is loaded before the barriers so its latency hides behind the other group's
+            # last rows instead of following the final barrier
+            dbi = f32(0.0)
+            if tidx < BT:
+                dbi = mDbi[b, row0 + tidx, hv]
+            if cutlass.const_expr(self.fold_dg):
+                # the fold's fix-up re-reads this thread's own dg stores (L2) rather than hold
+                # them in 32 registers across the walk (that spilled: 392 B, +0.39 ms at the
+                # reference shape, 2026-12-01); issued here, before the barriers, where the
+                # walk's registers are free
+                nfix = self.bpg * BC
+                fix = cute.make_rmem_tensor(cute.make_layout(nfix), f32)
+                if grp < self.ngrp - 1:
+                    for i in cutlass.range_constexpr(nfix):
+                        fix[i] = cDg[grp * nfix + i]
             if cutlass.const_expr(self.fold_dg and self.mma):
                 cute.arch.sync_threads()  # every warp is done staging before sTot overlays it
             if cutlass.const_expr(self.fold_dg):
@@ -513,13 +528,10 @@ def _build_kernel_class():
                 for g2 in cutlass.range(grp + 1, self.ngrp, unroll=1):
                     add = add + sTot[g2, d]
                 if grp < self.ngrp - 1:
-                    # re-read this thread's own dg stores (L2) rather than hold them in 32
-                    # registers across the walk: that spilled (392 B, +0.39 ms, 2026-12-01)
-                    for i in cutlass.range_constexpr(self.bpg * BC):
-                        rr = grp * self.bpg * BC + i
-                        cDg[rr] = cDg[rr] + add
+                    for i in cutlass.range_constexpr(nfix):
+                        cDg[grp * nfix + i] = fix[i] + add
             if tidx < BT:
-                tot = mDbi[b, row0 + tidx, hv]
+                tot = dbi
                 for w in cutlass.range_constexpr(self.wpg):
                     tot = tot + sDbp[tidx, w]
                 mDb[b, row0 + tidx, hv] = tot
