@@ -52,7 +52,7 @@ def compiled_us(cache, call, n: int) -> float:
 
     keep = call()  # noqa: F841 - holds the outputs the cached views point at
     torch.cuda.synchronize()
-    (view_key, views), = list(cache.entries.items())[-1:]
+    (view_key, (views, _)), = list(cache.entries.items())[-1:]
     fn = cache.compiled[view_key[0]]
     _, stream = current_stream(torch.device("cuda"))
     fn(*views, stream)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -30,6 +31,7 @@ import torch
 from kda_cute import reference as ref
 from kda_cute._common.support import device_reason, forced_fla
 from kda_witness import stage_range
+from torch._C._autograd import _profiler_enabled
 
 # ---------------------------------------------------------------------------------------------
 # dispatch record
@@ -45,13 +47,16 @@ class Choice:
 # Process-wide, not per thread: on CUDA, autograd runs the backward on its own device thread, so
 # a thread-local record saw only the forward stages (on the H200 the stage benchmarks skipped
 # every backward stage, 2026-11-30). Appends are atomic under the GIL; the lock guards swaps.
+# Bounded: a training run makes a dozen choices per step, forever; the newest LOG_SIZE are kept.
+LOG_SIZE = 4096
 _lock = threading.Lock()
-_log: list[Choice] = []
+_log: deque[Choice] = deque(maxlen=LOG_SIZE)
 _capture: list[tuple[str, tuple, dict]] | None = None
 
 
-def dispatch_log() -> list[Choice]:
-    """The choices made (on any thread: the backward included) since `reset_dispatch_log()`."""
+def dispatch_log() -> deque[Choice]:
+    """The choices made (on any thread: the backward included) since `reset_dispatch_log()`, the
+    newest LOG_SIZE of them."""
     return _log
 
 
@@ -183,6 +188,8 @@ class Stage:
         calls = _capture
         if calls is not None:
             calls.append((self.name, args, kwargs))
+        if not _profiler_enabled():  # the range is for a trace: none without a profiler
+            return impl.fn(*args, **kwargs)
         with stage_range(self.name, impl.name, reason):
             return impl.fn(*args, **kwargs)
 

@@ -158,7 +158,7 @@ def test_bad_input_fails_before_any_stage(mutate, match):
     reset_dispatch_log()
     with pytest.raises(ValueError, match=match):
         chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"])
-    assert dispatch_log() == []
+    assert list(dispatch_log()) == []
 
 
 def test_gate_in_kernel_needs_A_log_and_neg_eigval_needs_sigmoid():
@@ -257,3 +257,16 @@ def test_backward_on_another_thread_is_recorded_and_captured():
     captured = {name for name, _, _ in calls}
     for st in ("b1", "dhu", "intra"):
         assert st in logged and st in captured, (st, logged, captured)
+
+
+def test_dispatch_log_is_bounded():
+    """A training run calls the chain forever: the record keeps only the newest LOG_SIZE choices."""
+    from kda_chain import stages as S
+
+    st = S.Stage("probe", [S.Impl("reference", S._always, lambda: None)])
+    S.reset_dispatch_log()
+    for _ in range(S.LOG_SIZE + 10):
+        st()
+    log = S.dispatch_log()
+    assert len(log) == S.LOG_SIZE and all(c.stage == "probe" for c in log)
+    S.reset_dispatch_log()

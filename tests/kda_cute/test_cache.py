@@ -39,7 +39,7 @@ def test_retarget_rewrites_the_data_pointer():
     ct = cache.cute_view(t, (0, 1))
     cache.release_keepalives(ct)
     t2 = torch.randn(2, 64, 4, 32)
-    cache.retarget(ct, t2)
+    cache.retarget(cache.pointer_cell(ct), t2)
     assert _ptr(ct) == t2.data_ptr()
 
 

@@ -30,18 +30,17 @@ Per block i (rows r0 = 16 i ..), per column:
   last-row factors; the compiler shares them. db: a warp butterfly per row + a smem table.
 
 The cross sums, two ways (`_TUNE["mma"]`, flipped only by bench/check_intra.py):
-  * SIMT fp32 FFMAs (default, measured): one FFMA per (r, s, d) product, dA as warp-uniform
-    LDS.128 broadcasts; ~1000x below fla's error.
-  * tf32 mma.sync m16n8k8 (`cute.nvgpu.warp.MmaTF32Op`), per warp over its 32 columns:
-    row side C[16 r, 32 d] += dA[r, 8 s] kg[8 s, 32 d] per 8 sources (q and k accumulators share
-    the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per 8 targets. Each
-    fragment register's (m|n, k) coordinate comes from partitioning an identity tensor with the
-    thread's MMA slice, so the operands (kg, qb, kbb with their exp2 anchors, then cvt.rna to
-    tf32: fla's tl.dot precision) are computed straight into registers from smem. The C tile
-    (2 rows x 2 columns per lane) reaches the column-per-thread registers through a per-warp
-    8 x 33 smem stage, half a tile at a time. ~40% fewer instructions than SIMT; on the H200
-    it passes tests/gpu/test_intra.py's bar (within 2x fla's error at 3 shapes, 2026-11-30) but
-    has not been timed yet.
+  * tf32 mma.sync m16n8k8 (`cute.nvgpu.warp.MmaTF32Op`, the default: measured faster), per warp
+    over its 32 columns: row side C[16 r, 32 d] += dA[r, 8 s] kg[8 s, 32 d] per 8 sources (q and
+    k accumulators share the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per
+    8 targets. Each fragment register's (m|n, k) coordinate comes from partitioning an identity
+    tensor with the thread's MMA slice, so the operands (kg, qb, kbb with their exp2 anchors, then
+    cvt.rna to tf32: fla's tl.dot precision) are computed straight into registers from smem. The
+    C tile (2 rows x 2 columns per lane) reaches the column-per-thread registers through a
+    per-warp 8 x 33 smem stage, half a tile at a time. ~40% fewer instructions than SIMT; errors
+    ~1e-5 relative, 2.5-4x below fla's.
+  * SIMT fp32 FFMAs: one FFMA per (r, s, d) product, dA as warp-uniform LDS.128 broadcasts;
+    ~1000x below fla's error, 13-15% slower (4.757 vs 4.150 ms, 2026-12-01).
 
 Layouts. Everything of the chunk that more than one thread reads is staged once in smem in its
 gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk and beta in fp32.
@@ -60,11 +59,15 @@ executed by a small PTX interpreter on CPU (both paths, fold_dg, GVA, K 64/128, 
 fp16, emit_bf16 in the bench variant) and matches the float64 reference: SIMT ~3e-8, mma ~1e-5
 relative (tf32), every output written.
 
-Measured (H200, 2026-11-30, SIMT path at commit 30dfa84, bench/results/intra_2026-11-30.md):
-B16 T8192 H=HV=16 K128 bf16: 4.95 ms with fold_dg (4.88 without) against fla's 15.04 ms intra +
-0.69 ms dg cumsum: 3.18x, short of the 4x / 3.8 ms target (memory floor ~2.4 ms). B2 T4096 H16:
-0.53 ms vs 1.19 ms (2.26x). Errors vs float64 2.5e-8..1e-7 against fla's 1e-6..8e-5, all 8 check
-shapes pass; runs bitwise identical; emit_bf16 equals the cast.
+Measured (H200, 2026-12-01, mma path, bench/results/intra_2026-12-01.md): B16 T8192 H=HV=16
+K128 bf16, same run as fla's 15.250 ms intra + 0.659 ms dg cumsum (15.909): fold_dg + emit_bf16
+(what the chain runs when HV == H) 3.971 ms = 4.01x; fold_dg alone 3.83x (4.150 ms); no fold
+4.023. B2 T4096 H16: 0.352 ms vs 1.155 (3.28x). Two fold_dg fixes made the difference this
+session: the 32 dg rows a thread held across the walk spilled (ptxas: 392 B; fold cost 0.39 ms
+over no fold), now re-read from the thread's own stores, and db_in plus those re-reads are
+issued before the end barriers: 4.526 -> 4.209 -> 4.150 ms. Errors vs float64 2.5-4x below
+fla's at all 8 check shapes (SIMT path: 2.5e-8..1e-7), runs bitwise identical, emit_bf16 equals
+the cast. The first measurement (2026-11-30, SIMT, before the fixes): 4.95 ms, 3.18x.
 
 Cost model (static; SASS from ptxas 13.0 -arch=sm_90a on the DSL's PTX, K=128). SIMT path: 380
 / 464 instructions per 8 source / target rows, ~9.3k / 8.6k per thread (two groups), ~72k
@@ -81,7 +84,11 @@ rule. (3) The seed's (32 d-groups x 16 row-lanes) thread map: each row is a warp
 butterfly, but the triangle needs row-dependent trip counts and q/k/g rows are re-read per lane
 group; the column map keeps a column's 16 g/k values in registers for the whole block. (4) mma
 C fragments consumed in place (no smem stage): the diagonal would then need 8 columns x 16 rows
-of g/k per lane, far over the register budget.
+of g/k per lane, far over the register budget. (5) A multi-chunk CTA (cpc consecutive chunks of
+one head, cp.async double-buffered staging, 512 threads, one CTA per SM), meant to hide each
+CTA's staging and tail: measured on the H200 2026-12-01 against the SIMT default's 5.168 ms at
+the reference shape: cpc 4/8/16 5.85/5.82/5.59, cpc 8 + pf 4 6.14, cpc 8 + xu 2 5.09; slower or
+level at every shape, so it was deleted (logs/check_intra_cpc_2026-12-01_H200.log).
 """
 
 
@@ -612,12 +619,9 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
     return None
 
 
-# Tuning knobs read per call (bench sweeps them; the defaults are the measured best).
-# mma: the cross sums as SIMT fp32 FFMAs (the default: the path measured on the H200, 4.95 ms at
-# the reference shape, ~1000x below fla's error) or on tf32 mma.sync (~40%
-# fewer instructions per thread, tf32 like fla's tl.dot; correct on the H200 at 3 shapes,
-# not yet timed). bench/check_intra.py checks and times both.
-# Whichever measures faster and passes becomes the default; the other is deleted, not kept.
+# Tuning knobs read per call (bench/check_intra.py sweeps them; the defaults are the measured best,
+# H200 2026-12-01: pf 1/4 and xu 2 within 0.5% of the default at the reference shape; mma 4.15 vs
+# SIMT 4.76 ms fold_dg).
 _TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": True}
 
 

@@ -61,12 +61,17 @@ def cute_view(t: torch.Tensor, dyn_modes: Sequence[int] = ()):
     return ct
 
 
-def retarget(ct, t: torch.Tensor) -> None:
-    """Point a cached descriptor at this call's tensor: one 64-bit store into its memref."""
+def pointer_cell(ct) -> ctypes.c_uint64:
+    """The 64-bit data-pointer field of a descriptor's memref, as a writable ctypes cell."""
+    return ctypes.c_uint64.from_address(ct.__c_pointers__()[0])
+
+
+def retarget(cell: ctypes.c_uint64, t: torch.Tensor) -> None:
+    """Point a cached descriptor (its `pointer_cell`) at this call's tensor: one 64-bit store."""
     ptr = t.data_ptr()
     if ptr % ALIGN:
         raise ValueError(f"CuTe views need {ALIGN}-byte aligned storage; got {ptr:#x}")
-    ctypes.c_uint64.from_address(ct.__c_pointers__()[0]).value = ptr
+    cell.value = ptr
 
 
 def release_keepalives(*cts) -> None:
@@ -91,7 +96,7 @@ def release_keepalives(*cts) -> None:
 
 def tensor_sig(t: torch.Tensor) -> tuple:
     """Full identity of a tensor argument for the view level: shape, strides, dtype."""
-    return (tuple(t.shape), tuple(t.stride()), t.dtype)
+    return (t.shape, t.stride(), t.dtype)
 
 
 def current_stream(device: torch.device) -> tuple[int, object]:
@@ -139,20 +144,22 @@ class CallCache:
     ) -> None:
         handle, stream = current_stream(args[0].device)
         view_key = (compile_key, handle, tuple(tensor_sig(t) for t in args))
-        views = self.entries.get(view_key)
-        if views is None:
+        entry = self.entries.get(view_key)
+        if entry is None:
             with self.lock:
-                views = self.entries.get(view_key)
-                if views is None:
+                entry = self.entries.get(view_key)
+                if entry is None:
                     views = tuple(cute_view(t, d) for t, d in zip(args, dyn_modes, strict=True))
                     if compile_key not in self.compiled:
                         self.compiled[compile_key] = build(views, stream, *extra)
                         self.compiles += 1
                     release_keepalives(*views)
-                    self.entries[view_key] = views
+                    entry = (views, tuple(pointer_cell(ct) for ct in views))
+                    self.entries[view_key] = entry
                     self.marshals += 1
-        for ct, t in zip(views, args, strict=True):
-            retarget(ct, t)
+        views, cells = entry
+        for cell, t in zip(cells, args, strict=True):
+            retarget(cell, t)
         self.compiled[compile_key](*views, stream, *extra)
 
     def clear(self) -> None:
