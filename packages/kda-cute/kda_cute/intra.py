@@ -29,25 +29,21 @@ Per block i (rows r0 = 16 i ..), per column:
   The boundary factors exp2(g_r - g_b), exp2(g_e - g_s) are the diagonal's own first-column /
   last-row factors; the compiler shares them. db: a warp butterfly per row + a smem table.
 
-The cross sums, two ways (`_TUNE["mma"]`, flipped only by bench/check_intra.py):
-  * tf32 mma.sync m16n8k8 (`cute.nvgpu.warp.MmaTF32Op`, the default: measured faster), per warp
-    over its 32 columns: row side C[16 r, 32 d] += dA[r, 8 s] kg[8 s, 32 d] per 8 sources (q and
-    k accumulators share the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per
-    8 targets. Each fragment register's (m|n, k) coordinate comes from partitioning an identity
-    tensor with the thread's MMA slice, so the operands (kg, qb, kbb with their exp2 anchors, then
-    cvt.rna to tf32: fla's tl.dot precision) are computed straight into registers from smem. The
-    C tile (2 rows x 2 columns per lane) reaches the column-per-thread registers through a
-    per-warp 8 x 33 smem stage, half a tile at a time. ~40% fewer instructions than SIMT; errors
-    ~1e-5 relative, 2.5-4x below fla's.
-  * SIMT fp32 FFMAs: one FFMA per (r, s, d) product, dA as warp-uniform LDS.128 broadcasts;
-    ~1000x below fla's error, 13-15% slower (4.757 vs 4.150 ms, 2026-12-01).
+The cross sums run on tf32 mma.sync m16n8k8 (`cute.nvgpu.warp.MmaTF32Op`), per warp over its
+32 columns: row side C[16 r, 32 d] += dA[r, 8 s] kg[8 s, 32 d] per 8 sources (q and k
+accumulators share the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per 8
+targets. Each fragment register's (m|n, k) coordinate comes from partitioning an identity tensor
+with the thread's MMA slice, so the operands (kg, qb, kbb with their exp2 anchors, then cvt.rna
+to tf32: fla's tl.dot precision) are computed straight into registers from smem. The C tile (2
+rows x 2 columns per lane) reaches the column-per-thread registers through a per-warp 8 x 33
+smem stage, half a tile at a time. Errors ~1e-5 relative, 2.5-4x below fla's.
 
 Layouts. Everything of the chunk that more than one thread reads is staged once in smem in its
 gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk and beta in fp32.
 Threads of a warp own consecutive d, so every per-column smem read is a conflict-free row
-segment, every dA read on the SIMT side a warp-uniform broadcast. For the mma path the rows are
-padded (dA 68, g 132, q/k 136 elements) so fragment loads are conflict-free or 2-way: ~110 KB
-per CTA, still two CTAs (16 warps) per SM (SIMT: ~97 KB). The staging loads are 16-byte vectors,
+segment, every dA read of the diagonal a warp-uniform broadcast. The rows are padded (dA 68, g
+132, q/k 136 elements) so mma fragment loads are conflict-free or 2-way: ~110 KB per CTA, still
+two CTAs (16 warps) per SM. The staging loads are 16-byte vectors,
 all 24 per thread issued before the first store. The incoming dq/dk/dg are read and the outputs
 written straight from registers (coalesced 128 B per warp per row) through one per-thread
 column pointer per tensor: H and HV are compile-time (B and T dynamic), so the row stride is an
@@ -55,9 +51,9 @@ immediate (this took IMAD 959 -> 152 per thread). The incoming grads of the firs
 diagonal walk finalizes are loaded before the cross sums, later rows `pf` rows ahead.
 
 Validation without a GPU (tests/kda_cute/test_intra_compile.py): the sm_90a PTX the DSL emits is
-executed by a small PTX interpreter on CPU (both paths, fold_dg, GVA, K 64/128, strong gates,
-fp16, emit_bf16 in the bench variant) and matches the float64 reference: SIMT ~3e-8, mma ~1e-5
-relative (tf32), every output written.
+executed by a small PTX interpreter on CPU (fold_dg; K 128; K 64 with GVA and strong gates)
+and matches the float64 reference (~1e-5 relative, tf32), every
+output written.
 
 Measured (H200, 2026-12-01, mma path, bench/results/intra_2026-12-01.md): B16 T8192 H=HV=16
 K128 bf16, same run as fla's 15.250 ms intra + 0.659 ms dg cumsum (15.909): fold_dg + emit_bf16
@@ -66,16 +62,14 @@ K128 bf16, same run as fla's 15.250 ms intra + 0.659 ms dg cumsum (15.909): fold
 session: the 32 dg rows a thread held across the walk spilled (ptxas: 392 B; fold cost 0.39 ms
 over no fold), now re-read from the thread's own stores, and db_in plus those re-reads are
 issued before the end barriers: 4.526 -> 4.209 -> 4.150 ms. Errors vs float64 2.5-4x below
-fla's at all 8 check shapes (SIMT path: 2.5e-8..1e-7), runs bitwise identical, emit_bf16 equals
+fla's at all 8 check shapes, runs bitwise identical, emit_bf16 equals
 the cast. The first measurement (2026-11-30, SIMT, before the fixes): 4.95 ms, 3.18x.
 
-Cost model (static; SASS from ptxas 13.0 -arch=sm_90a on the DSL's PTX, K=128). SIMT path: 380
-/ 464 instructions per 8 source / target rows, ~9.3k / 8.6k per thread (two groups), ~72k
-warp-instructions per CTA, which predicted ~2.3 ms issue-bound at 4 IPC; measured 4.95 ms, so
-the kernel runs at ~2 IPC per SM: latency-bound (16 warps per SM; a CTA's 24 staging loads are
-not overlapped with its own compute, only with the other CTA's). mma path: 102 / 158
-instructions per 8 rows, ~5.9k / 5.4k per thread, ~45k warp-instructions per CTA; by the same
-~2 IPC that is ~3.1 ms (the next thing to measure: bench/check_intra.py times both paths).
+Cost model (static; SASS from ptxas 13.0 -arch=sm_90a on the DSL's PTX, K=128): 102 / 158
+instructions per 8 source / target rows, ~5.9k / 5.4k per thread, ~45k warp-instructions per
+CTA. The SIMT path (below) had ~72k and ran at ~2 IPC per SM (4.95 ms where 4 IPC predicted
+2.3): latency-bound, 16 warps per SM, a CTA's 24 staging loads overlapped only with the other
+CTA's compute. By the same ~2 IPC the mma path would take ~3.1 ms; it takes 4.0-4.15.
 
 Alternatives considered. (1) bf16 wgmma for the cross sums: cannot carry k exp2(..) in bf16
 within 2x of fla's tf32 error. (2) A mid-block anchor for the diagonal (fla's safe_gate form,
@@ -84,7 +78,11 @@ rule. (3) The seed's (32 d-groups x 16 row-lanes) thread map: each row is a warp
 butterfly, but the triangle needs row-dependent trip counts and q/k/g rows are re-read per lane
 group; the column map keeps a column's 16 g/k values in registers for the whole block. (4) mma
 C fragments consumed in place (no smem stage): the diagonal would then need 8 columns x 16 rows
-of g/k per lane, far over the register budget. (5) A multi-chunk CTA (cpc consecutive chunks of
+of g/k per lane, far over the register budget. (5) The cross sums as SIMT fp32 FFMAs (one FFMA per
+(r, s, d), dA as warp-uniform LDS.128 broadcasts): ~1000x below fla's error (2.5e-8..1e-7) but
+13-15% slower (4.757 vs 4.150 ms fold_dg, H200 2026-12-01); it was the first default and was
+deleted once the mma path measured faster (end to end it had kept dA_log's error at 3.5e-3
+where the mma path gives 6.6e-3 against fla's 5.8e-3). (6) A multi-chunk CTA (cpc consecutive chunks of
 one head, cp.async double-buffered staging, 512 threads, one CTA per SM), meant to hide each
 CTA's staging and tail: measured on the H200 2026-12-01 against the SIMT default's 5.168 ms at
 the reference shape: cpc 4/8/16 5.85/5.82/5.59, cpc 8 + pf 4 6.14, cpc 8 + xu 2 5.09; slower or
@@ -125,15 +123,12 @@ class KdaIntraBwd:
     """See the module docstring. io_dtype: q/k dtype; beta_dtype: beta's dtype."""
 
     def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool,
-                 pf: int = 2, xu: int = 1, mma: bool = False):
+                 pf: int = 2):
         self.pf = pf  # rows of incoming dq/dk/dg prefetched ahead of the diagonal walk
-        self.xu = xu  # unroll of the dynamic cross-sum loops
-        # cross sums on tf32 mma.sync (m16n8k8) instead of SIMT FFMAs (see the docstring)
-        self.mma = mma
-        # smem row padding for the mma path (elements): conflict-free / 2-way fragment loads
-        self.apad = 4 if mma else 0  # dA rows (fp32)
-        self.gpad = 4 if mma else 0  # g rows (fp32)
-        self.qpad = 8 if mma else 0  # q, k rows (16-bit: 16 bytes keep the rows 16B-aligned)
+        # smem row padding (elements): conflict-free / 2-way mma fragment loads
+        self.apad = 4  # dA rows (fp32)
+        self.gpad = 4  # g rows (fp32)
+        self.qpad = 8  # q, k rows (16-bit: 16 bytes keep the rows 16B-aligned)
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -225,19 +220,16 @@ def _build_kernel_class():
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
             sDbp = smem.allocate_tensor(f32, cute.make_layout((BT, self.wpg), stride=(self.wpg, 1)), 16)
             totl = cute.make_layout((self.ngrp, K), stride=(K, 1))
-            if cutlass.const_expr(self.mma):
-                # per-warp staging of an 8 x 32 half of an mma C tile (row stride 33: the
-                # fragment writes are <= 2-way conflicted, the column reads conflict-free).
-                # The fold's group totals reuse it (they are written after the last staging
-                # read, behind the final barrier): two CTAs per SM need every KB here
-                # (~112 KB dynamic + 1 KB static + 1 KB reserved, x2 <= 228 KB).
-                NW = THREADS // 32
-                sStage = smem.allocate_tensor(
-                    f32, cute.make_layout((NW, 8, 32), stride=(8 * 33, 33, 1)), 16
-                )
-                sTot = cute.make_tensor(sStage.iterator, totl)
-            else:
-                sTot = smem.allocate_tensor(f32, totl, 16)
+            # per-warp staging of an 8 x 32 half of an mma C tile (row stride 33: the
+            # fragment writes are <= 2-way conflicted, the column reads conflict-free).
+            # The fold's group totals reuse it (they are written after the last staging
+            # read, behind the final barrier): two CTAs per SM need every KB here
+            # (~112 KB dynamic + 1 KB static + 1 KB reserved, x2 <= 228 KB).
+            NW = THREADS // 32
+            sStage = smem.allocate_tensor(
+                f32, cute.make_layout((NW, 8, 32), stride=(8 * 33, 33, 1)), 16
+            )
+            sTot = cute.make_tensor(sStage.iterator, totl)
             # 4-wide views along the contiguous mode (one LDS.128 / 16-byte copy each)
             v4 = cute.make_layout((BT, BT // 4, 4), stride=(AS, 4, 1))
             sAq4 = cute.make_tensor(sAq.iterator, v4)
@@ -318,27 +310,26 @@ def _build_kernel_class():
             cDk = cute.make_tensor(mDk[b, row0, hv, None].iterator + d, colv)
             cDg = cute.make_tensor(mDg[b, row0, hv, None].iterator + d, colv)
 
-            if cutlass.const_expr(self.mma):
-                wid = tidx // 32
-                d0 = wig * 32  # this warp's 32 columns
-                tmma = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
-                thr = tmma.get_slice(lane)
-                cA = thr.partition_A(cute.make_identity_tensor((16, 8)))  # (m, k) per register
-                cB = thr.partition_B(cute.make_identity_tensor((32, 8)))  # (n, k)
-                cC = thr.partition_C(cute.make_identity_tensor((16, 32)))  # (m, n)
-                fA1 = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
-                fA2 = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
-                fB1 = cute.make_rmem_tensor(cB.shape, cutlass.TFloat32)
-                fB2 = cute.make_rmem_tensor(cB.shape, cutlass.TFloat32)
-                fA1i = cute.recast_tensor(fA1, cutlass.Int32)
-                fA2i = cute.recast_tensor(fA2, cutlass.Int32)
-                fB1i = cute.recast_tensor(fB1, cutlass.Int32)
-                fB2i = cute.recast_tensor(fB2, cutlass.Int32)
-                acc1 = cute.make_rmem_tensor(cC.shape, f32)
-                acc2 = cute.make_rmem_tensor(cC.shape, f32)
-                nA = cute.size(fA1)
-                nB = cute.size(fB1)
-                nC = cute.size(acc1)
+            wid = tidx // 32
+            d0 = wig * 32  # this warp's 32 columns
+            tmma = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
+            thr = tmma.get_slice(lane)
+            cA = thr.partition_A(cute.make_identity_tensor((16, 8)))  # (m, k) per register
+            cB = thr.partition_B(cute.make_identity_tensor((32, 8)))  # (n, k)
+            cC = thr.partition_C(cute.make_identity_tensor((16, 32)))  # (m, n)
+            fA1 = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
+            fA2 = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
+            fB1 = cute.make_rmem_tensor(cB.shape, cutlass.TFloat32)
+            fB2 = cute.make_rmem_tensor(cB.shape, cutlass.TFloat32)
+            fA1i = cute.recast_tensor(fA1, cutlass.Int32)
+            fA2i = cute.recast_tensor(fA2, cutlass.Int32)
+            fB1i = cute.recast_tensor(fB1, cutlass.Int32)
+            fB2i = cute.recast_tensor(fB2, cutlass.Int32)
+            acc1 = cute.make_rmem_tensor(cC.shape, f32)
+            acc2 = cute.make_rmem_tensor(cC.shape, f32)
+            nA = cute.size(fA1)
+            nB = cute.size(fB1)
+            nC = cute.size(acc1)
 
             accq = cute.make_rmem_tensor(cute.make_layout(BC), f32)
             acck = cute.make_rmem_tensor(cute.make_layout(BC), f32)
@@ -365,47 +356,34 @@ def _build_kernel_class():
 
                 # -- cross row side: sources s < r0, anchored at the block's first row
                 ga = gs[0]
-                if cutlass.const_expr(self.mma):
-                    # (r, d) = sum_s dA[r0 + r, s] * kg[s, d] as a 16 x 32 x 8 tf32 mma step
-                    # per 8 sources, per warp (its 32 columns); A = dA rows, B = kg computed
-                    # at each fragment register's (n, k) coordinate
-                    gaB = [sG[r0, d0 + cB[ei][0]] for ei in range(nB)]
-                    acc1.fill(0.0)
-                    acc2.fill(0.0)
-                    for s8 in cutlass.range(0, r0, 8, unroll=1):
-                        for ei in cutlass.range_constexpr(nA):
-                            ma, ka = cA[ei]
-                            fA1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAq[r0 + ma, s8 + ka]))
-                            fA2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAk[r0 + ma, s8 + ka]))
-                        for ei in cutlass.range_constexpr(nB):
-                            nb, kb2 = cB[ei]
-                            kgv = f32(sK[s8 + kb2, d0 + nb]) * _exp2(gaB[ei] - sG[s8 + kb2, d0 + nb])
-                            fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kgv))
-                        cute.gemm(tmma, acc1, fA1, fB1, acc1)
-                        cute.gemm(tmma, acc2, fA2, fB1, acc2)
-                    # C fragments -> this thread's column, half a tile (8 rows) at a time
-                    for hh in cutlass.range_constexpr(2):
-                        for src, dst in ((acc1, accq), (acc2, acck)):
-                            for ei in cutlass.range_constexpr(nC):
-                                if cutlass.const_expr((ei // 2) % 2 == hh):
-                                    mc, nc = cC[ei]
-                                    sStage[wid, mc - 8 * hh, nc] = src[ei]
-                            cute.arch.sync_warp()
-                            for i8 in cutlass.range_constexpr(8):
-                                dst[8 * hh + i8] = sStage[wid, i8, lane]
-                            cute.arch.sync_warp()
-                else:
-                    for s4 in cutlass.range(0, r0, 4, unroll=self.xu):
-                        kg0 = f32(sK[s4, d]) * _exp2(ga - sG[s4, d])
-                        kg1 = f32(sK[s4 + 1, d]) * _exp2(ga - sG[s4 + 1, d])
-                        kg2 = f32(sK[s4 + 2, d]) * _exp2(ga - sG[s4 + 2, d])
-                        kg3 = f32(sK[s4 + 3, d]) * _exp2(ga - sG[s4 + 3, d])
-                        c4 = s4 // 4
-                        for r in cutlass.range_constexpr(BC):
-                            aq = sAq4[r0 + r, c4, None].load()
-                            ak = sAk4[r0 + r, c4, None].load()
-                            accq[r] = accq[r] + aq[0] * kg0 + aq[1] * kg1 + aq[2] * kg2 + aq[3] * kg3
-                            acck[r] = acck[r] + ak[0] * kg0 + ak[1] * kg1 + ak[2] * kg2 + ak[3] * kg3
+                # (r, d) = sum_s dA[r0 + r, s] * kg[s, d] as a 16 x 32 x 8 tf32 mma step
+                # per 8 sources, per warp (its 32 columns); A = dA rows, B = kg computed
+                # at each fragment register's (n, k) coordinate
+                gaB = [sG[r0, d0 + cB[ei][0]] for ei in range(nB)]
+                acc1.fill(0.0)
+                acc2.fill(0.0)
+                for s8 in cutlass.range(0, r0, 8, unroll=1):
+                    for ei in cutlass.range_constexpr(nA):
+                        ma, ka = cA[ei]
+                        fA1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAq[r0 + ma, s8 + ka]))
+                        fA2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAk[r0 + ma, s8 + ka]))
+                    for ei in cutlass.range_constexpr(nB):
+                        nb, kb2 = cB[ei]
+                        kgv = f32(sK[s8 + kb2, d0 + nb]) * _exp2(gaB[ei] - sG[s8 + kb2, d0 + nb])
+                        fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kgv))
+                    cute.gemm(tmma, acc1, fA1, fB1, acc1)
+                    cute.gemm(tmma, acc2, fA2, fB1, acc2)
+                # C fragments -> this thread's column, half a tile (8 rows) at a time
+                for hh in cutlass.range_constexpr(2):
+                    for src, dst in ((acc1, accq), (acc2, acck)):
+                        for ei in cutlass.range_constexpr(nC):
+                            if cutlass.const_expr((ei // 2) % 2 == hh):
+                                mc, nc = cC[ei]
+                                sStage[wid, mc - 8 * hh, nc] = src[ei]
+                        cute.arch.sync_warp()
+                        for i8 in cutlass.range_constexpr(8):
+                            dst[8 * hh + i8] = sStage[wid, i8, lane]
+                        cute.arch.sync_warp()
                 for r in cutlass.range_constexpr(1, BC):
                     e = _exp2(gs[r] - ga)
                     accq[r] = accq[r] * e
@@ -413,45 +391,34 @@ def _build_kernel_class():
 
                 # -- cross column side: targets r > r0 + 15, anchored at the block's last row
                 gn = gs[BC - 1]
-                if cutlass.const_expr(self.mma):
-                    # (s, d) = sum_r dAq[r, r0 + s] qb[r, d] + dAk[r, r0 + s] kbb[r, d]: two
-                    # chained mma steps per 8 target rows; A = dA columns (transposed reads)
-                    gnB = [sG[r0 + BC - 1, d0 + cB[ei][0]] for ei in range(nB)]
-                    acc1.fill(0.0)
-                    for r8 in cutlass.range(r0 + BC, BT, 8, unroll=1):
-                        for ei in cutlass.range_constexpr(nA):
-                            ma, ka = cA[ei]
-                            fA1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAq[r8 + ka, r0 + ma]))
-                            fA2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAk[r8 + ka, r0 + ma]))
-                        for ei in cutlass.range_constexpr(nB):
-                            nb, kb2 = cB[ei]
-                            rrow = r8 + kb2
-                            ex = _exp2(sG[rrow, d0 + nb] - gnB[ei])
-                            qbv = f32(sQ[rrow, d0 + nb]) * ex
-                            kbv = sBeta[rrow] * f32(sK[rrow, d0 + nb]) * ex
-                            fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(qbv))
-                            fB2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kbv))
-                        cute.gemm(tmma, acc1, fA1, fB1, acc1)
-                        cute.gemm(tmma, acc1, fA2, fB2, acc1)
-                    for hh in cutlass.range_constexpr(2):
-                        for ei in cutlass.range_constexpr(nC):
-                            if cutlass.const_expr((ei // 2) % 2 == hh):
-                                mc, nc = cC[ei]
-                                sStage[wid, mc - 8 * hh, nc] = acc1[ei]
-                        cute.arch.sync_warp()
-                        for i8 in cutlass.range_constexpr(8):
-                            dkt[8 * hh + i8] = sStage[wid, i8, lane]
-                        cute.arch.sync_warp()
-                else:
-                    for rr in cutlass.range(r0 + BC, BT, unroll=self.xu):
-                        e = _exp2(sG[rr, d] - gn)
-                        qb = f32(sQ[rr, d]) * e
-                        kbb = sBeta[rr] * f32(sK[rr, d]) * e
-                        for c in cutlass.range_constexpr(BC // 4):
-                            aq = sAq4[rr, r0 // 4 + c, None].load()
-                            ak = sAk4[rr, r0 // 4 + c, None].load()
-                            for j in cutlass.range_constexpr(4):
-                                dkt[4 * c + j] = dkt[4 * c + j] + aq[j] * qb + ak[j] * kbb
+                # (s, d) = sum_r dAq[r, r0 + s] qb[r, d] + dAk[r, r0 + s] kbb[r, d]: two
+                # chained mma steps per 8 target rows; A = dA columns (transposed reads)
+                gnB = [sG[r0 + BC - 1, d0 + cB[ei][0]] for ei in range(nB)]
+                acc1.fill(0.0)
+                for r8 in cutlass.range(r0 + BC, BT, 8, unroll=1):
+                    for ei in cutlass.range_constexpr(nA):
+                        ma, ka = cA[ei]
+                        fA1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAq[r8 + ka, r0 + ma]))
+                        fA2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAk[r8 + ka, r0 + ma]))
+                    for ei in cutlass.range_constexpr(nB):
+                        nb, kb2 = cB[ei]
+                        rrow = r8 + kb2
+                        ex = _exp2(sG[rrow, d0 + nb] - gnB[ei])
+                        qbv = f32(sQ[rrow, d0 + nb]) * ex
+                        kbv = sBeta[rrow] * f32(sK[rrow, d0 + nb]) * ex
+                        fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(qbv))
+                        fB2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kbv))
+                    cute.gemm(tmma, acc1, fA1, fB1, acc1)
+                    cute.gemm(tmma, acc1, fA2, fB2, acc1)
+                for hh in cutlass.range_constexpr(2):
+                    for ei in cutlass.range_constexpr(nC):
+                        if cutlass.const_expr((ei // 2) % 2 == hh):
+                            mc, nc = cC[ei]
+                            sStage[wid, mc - 8 * hh, nc] = acc1[ei]
+                    cute.arch.sync_warp()
+                    for i8 in cutlass.range_constexpr(8):
+                        dkt[8 * hh + i8] = sStage[wid, i8, lane]
+                    cute.arch.sync_warp()
                 for s in cutlass.range_constexpr(BC - 1):
                     dkt[s] = dkt[s] * _exp2(gn - gs[s])
 
@@ -526,7 +493,7 @@ def _build_kernel_class():
                 if grp < self.ngrp - 1:
                     for i in cutlass.range_constexpr(nfix):
                         fix[i] = cDg[grp * nfix + i]
-            if cutlass.const_expr(self.fold_dg and self.mma):
+            if cutlass.const_expr(self.fold_dg):
                 cute.arch.sync_threads()  # every warp is done staging before sTot overlays it
             if cutlass.const_expr(self.fold_dg):
                 sTot[grp, d] = run
@@ -620,10 +587,11 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
     return None
 
 
-# Tuning knobs read per call (bench/check_intra.py sweeps them; the defaults are the measured best,
-# H200 2026-12-01: pf 1/4 and xu 2 within 0.5% of the default at the reference shape; mma 4.15 vs
-# SIMT 4.76 ms fold_dg).
-_TUNE = {"pf": 2, "maxreg": 128, "xu": 1, "mma": True}
+# Rows of incoming dq/dk/dg loaded ahead of the diagonal walk. Read per call so
+# bench/check_intra.py --sweep can time others (H200 2026-12-01: pf 1 and 4 within 0.5% of 2).
+_TUNE = {"pf": 2}
+# Registers per thread: two 256-thread CTAs per SM (the design point) need <= 128.
+MAXREG = 128
 
 
 def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
@@ -650,10 +618,9 @@ def _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx=False)
     import cutlass.cute as cute
 
     kern = _kernel_class()(
-        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16,
-        _TUNE["pf"], _TUNE["xu"], _TUNE["mma"]
+        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16, _TUNE["pf"]
     )
-    opts = f"--ptxas-options --maxrregcount={_TUNE['maxreg']}" + (" --keep-ptx" if keep_ptx else "")
+    opts = f"--ptxas-options --maxrregcount={MAXREG}" + (" --keep-ptx" if keep_ptx else "")
     return cute.compile(kern, *views, stream, options=opts)
 
 
