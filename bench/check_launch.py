@@ -86,43 +86,26 @@ def kernels(B, T, H, V, n):
 
 
 def chains(B, T, H, V, reps=10):
-    from fla.ops.kda import chunk_kda as fla_kda
-    from kda_chain import chunk_kda
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def r(*s):
-        return torch.randn(s, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(True)
-
-    q, k, v, gate, beta = r(B, T, H, 128), r(B, T, H, 128), r(B, T, H, V), r(B, T, H, 128), r(B, T, H)
-    A_log = torch.zeros(H, device="cuda")
-    do = torch.randn(B, T, H, V, device="cuda").to(torch.bfloat16)
-
-    def step(fn):
-        o, _ = fn(q, k, v, gate, beta.sigmoid(), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                  A_log=A_log)
-        o.backward(do)
-
     print(f"\n| fwd+bwd B{B} T{T} H{H} V{V} | host ms (no sync) | device ms |")
     print("|---|---|---|")
-    for name, fn in (("ours", chunk_kda), ("fla", fla_kda)):
+    for name, step in _chain_step(B, T, H, V).items():
         for _ in range(3):
-            step(fn)
+            step()
         torch.cuda.synchronize()
         hosts = []
         for _ in range(reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            step(fn)
+            step()
             hosts.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         hosts.sort()
-        dev = median_ms(lambda fn=fn: step(fn))
+        dev = median_ms(step)
         print(f"| {name} | {hosts[len(hosts) // 2]:.3f} | {dev:.3f} |", flush=True)
 
 
 def _chain_step(B, T, H, V):
-    """One fwd+bwd closure per implementation on shared inputs (as `chains`)."""
+    """One fwd+bwd closure per implementation (ours, fla) on shared inputs."""
     from fla.ops.kda import chunk_kda as fla_kda
     from kda_chain import chunk_kda
 

@@ -264,6 +264,17 @@ def static_reason(kg, w, u, gk, initial_state=None) -> str | None:
     return operand_reason(kg, w, u, gk, initial_state) or floor_reason(u.shape, GRID_FLOOR)
 
 
+def extent_reason(K: int, V: int, T: int) -> str | None:
+    """The extents every scan is built for: K = 128, V in 64-wide tiles, T >= 1."""
+    if K != S.KD:
+        return f"K={K} (only K=128)"
+    if V % S.BV:
+        return f"V={V} (V % 64 != 0)"
+    if T < 1:
+        return "T=0"
+    return None
+
+
 def floor_reason(shape_bthv, floor: int) -> str | None:
     """The measured grid floor of a scan: `shape_bthv` is a [B, T, HV, V] output's shape."""
     B, _, HV, V = shape_bthv
@@ -285,12 +296,9 @@ def operand_reason(kg, w, u, gk, initial_state=None) -> str | None:
         return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
     B, T, HV, V = u.shape
     K = kg.shape[-1]
-    if K != S.KD:
-        return f"K={K} (only K=128)"
-    if V % S.BV:
-        return f"V={V} (V % 64 != 0)"
-    if T < 1:
-        return "T=0"
+    r = extent_reason(K, V, T)
+    if r:
+        return r
     if tuple(w.shape) != (B, T, HV, K) or tuple(gk.shape) != (B, T, HV, K):
         return "w / gk must be [B, T, HV, K]"
     if kg.shape[0] != B or kg.shape[1] != T or HV % kg.shape[2]:

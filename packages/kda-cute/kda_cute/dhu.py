@@ -35,7 +35,7 @@ import torch
 
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from .b1 import _DT, S, _cutlass_dtype, _dummy, floor_reason
+from .b1 import _DT, S, _cutlass_dtype, _dummy, extent_reason, floor_reason
 
 STAGES = 2
 # two V tiles per CTA: 1.845 ms vs 2.159 (one) at B16 T8192 H16 V256 (fla 3.080); V % 128 != 0 uses one
@@ -281,12 +281,9 @@ def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
         return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
     B, T, HV, V = do.shape
     K = w.shape[-1]
-    if K != S.KD:
-        return f"K={K} (only K=128)"
-    if V % S.BV:
-        return f"V={V} (V % 64 != 0)"
-    if T < 1:
-        return "T=0"
+    r = extent_reason(K, V, T)
+    if r:
+        return r
     if (
         tuple(dv.shape) != (B, T, HV, V)
         or tuple(w.shape) != (B, T, HV, K)

@@ -47,7 +47,7 @@ import torch
 
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from .b1 import _DT, S, _cutlass_dtype, _dummy, floor_reason, operand_reason
+from .b1 import _DT, S, _cutlass_dtype, _dummy, extent_reason, floor_reason, operand_reason
 
 # The compiled variant, by grid (measured on the H200, 2026-12-01, same run as fla, bench/results/
 # scans_2026-12-01.md): at B16 T8192 H16 V256 (1024 V tiles) 1 stage x 2 warpgroups 1.687 ms
@@ -334,12 +334,9 @@ def plan_reason(q, v, initial_state=None) -> str | None:
         return f"dtype {v.dtype} (bf16/fp16 only)"
     if q.dtype != v.dtype:
         return "q, k, v must share one dtype"
-    if K != S.KD:
-        return f"K={K} (only K=128)"
-    if V % S.BV:
-        return f"V={V} (V % 64 != 0)"
-    if T < 1:
-        return "T=0"
+    r = extent_reason(K, V, T)
+    if r:
+        return r
     if tuple(v.shape[:2]) != (B, T) or HV % H:
         return "v must be [B, T, HV, V] with HV % H == 0"
     if initial_state is not None:

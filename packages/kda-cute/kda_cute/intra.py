@@ -181,6 +181,21 @@ def _build_kernel_class():
                 preferred_smem_carveout=100, stream=stream
             )
 
+        @cute.jit
+        def _to_columns(self, pairs: cutlass.Constexpr, sStage, cC, wid, lane):
+            """mma C fragments -> each thread's column (16 rows), through the warp's smem stage
+            half a tile (8 rows) at a time; `pairs` = ((C fragment, 16-row column), ...)."""
+            for hh in cutlass.range_constexpr(2):
+                for src, dst in pairs:
+                    for ei in cutlass.range_constexpr(cute.size(src)):
+                        if cutlass.const_expr((ei // 2) % 2 == hh):
+                            mc, nc = cC[ei]
+                            sStage[wid, mc - 8 * hh, nc] = src[ei]
+                    cute.arch.sync_warp()
+                    for i8 in cutlass.range_constexpr(8):
+                        dst[8 * hh + i8] = sStage[wid, i8, lane]
+                    cute.arch.sync_warp()
+
         @cute.kernel
         def kda_cute_intra(
             self,
@@ -329,7 +344,6 @@ def _build_kernel_class():
             acc2 = cute.make_rmem_tensor(cC.shape, f32)
             nA = cute.size(fA1)
             nB = cute.size(fB1)
-            nC = cute.size(acc1)
 
             accq = cute.make_rmem_tensor(cute.make_layout(BC), f32)
             acck = cute.make_rmem_tensor(cute.make_layout(BC), f32)
@@ -373,17 +387,7 @@ def _build_kernel_class():
                         fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kgv))
                     cute.gemm(tmma, acc1, fA1, fB1, acc1)
                     cute.gemm(tmma, acc2, fA2, fB1, acc2)
-                # C fragments -> this thread's column, half a tile (8 rows) at a time
-                for hh in cutlass.range_constexpr(2):
-                    for src, dst in ((acc1, accq), (acc2, acck)):
-                        for ei in cutlass.range_constexpr(nC):
-                            if cutlass.const_expr((ei // 2) % 2 == hh):
-                                mc, nc = cC[ei]
-                                sStage[wid, mc - 8 * hh, nc] = src[ei]
-                        cute.arch.sync_warp()
-                        for i8 in cutlass.range_constexpr(8):
-                            dst[8 * hh + i8] = sStage[wid, i8, lane]
-                        cute.arch.sync_warp()
+                self._to_columns(((acc1, accq), (acc2, acck)), sStage, cC, wid, lane)
                 for r in cutlass.range_constexpr(1, BC):
                     e = _exp2(gs[r] - ga)
                     accq[r] = accq[r] * e
@@ -410,15 +414,7 @@ def _build_kernel_class():
                         fB2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kbv))
                     cute.gemm(tmma, acc1, fA1, fB1, acc1)
                     cute.gemm(tmma, acc1, fA2, fB2, acc1)
-                for hh in cutlass.range_constexpr(2):
-                    for ei in cutlass.range_constexpr(nC):
-                        if cutlass.const_expr((ei // 2) % 2 == hh):
-                            mc, nc = cC[ei]
-                            sStage[wid, mc - 8 * hh, nc] = acc1[ei]
-                    cute.arch.sync_warp()
-                    for i8 in cutlass.range_constexpr(8):
-                        dkt[8 * hh + i8] = sStage[wid, i8, lane]
-                    cute.arch.sync_warp()
+                self._to_columns(((acc1, dkt),), sStage, cC, wid, lane)
                 for s in cutlass.range_constexpr(BC - 1):
                     dkt[s] = dkt[s] * _exp2(gn - gs[s])
 
