@@ -3,7 +3,8 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests bench save (default: all)
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench save
+#                                     (default: all but fp16)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
 #   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash bench/gpu_suite.sh scans bench) &
@@ -51,8 +52,11 @@ for s in $steps; do
       for st in b1 fwd dhu; do step "check_scans_$st" ${SCAN_LIMIT:-150} python bench/check_scans.py --stage $st; done ;;
     launch)  # host vs device time per launch and per chain step (the small-shape slowdown)
       step check_launch 120 python bench/check_launch.py ;;
-    tests)  # pytest-timeout (on the GPU image) dumps every thread's stack if a test hangs
-      step gpu_tests ${TESTS_LIMIT:-300} python -m pytest -p no:cacheprovider -p kda_witness.pytest_plugin -v --durations=15 --timeout=${TEST_TIMEOUT:-150} tests/gpu ${TESTS_K:+-k "$TESTS_K"} ;;
+    tests)  # pytest-timeout (on the GPU image) dumps every thread's stack if a test hangs. The
+            # fp16 chain test is its own step: fla autotunes fp16 from scratch (minutes, not seeded)
+      step gpu_tests ${TESTS_LIMIT:-300} python -m pytest -p no:cacheprovider -p kda_witness.pytest_plugin -v --durations=15 --timeout=${TEST_TIMEOUT:-150} tests/gpu -k "${TESTS_K:-not gva_fp16}" ;;
+    fp16)  # then `save`, so fla's fp16 autotune results come back in triton-autotune.tar
+      step gpu_tests_fp16 ${FP16_LIMIT:-450} python -m pytest -p no:cacheprovider -v --timeout=420 tests/gpu -k gva_fp16 ;;
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
