@@ -31,7 +31,8 @@ with two warpgroups), bitwise repeatable. B16 T8192 H16 V256 bf16, same run: 1.6
 2 warpgroups) vs fla's fwd_h + fwd_o 4.011 ms = 2.38x (in a second table of the same run fla took
 3.827: 2.27x); B2 T4096: 0.211 vs 0.412 ms (1.95x, 2 stages x 1 warpgroup). The extra qg store
 costs fla's fwd_intra ~0.33 ms at the reference shape (witness: 4.885 vs 4.555 ms) of the
-~1.9 ms this kernel saves (stage bench 1.92 vs 3.82); the chain's forward: 7.91 vs 9.37 ms. `variant()` picks the build per grid.
+~1.9 ms this kernel saves (stage bench 1.92 vs 3.82); the chain's forward: 7.91 vs 9.37 ms.
+`variant()` picks the build per grid.
 The first design (q gated in the kernel, 2026-11-30): 3.864 vs 3.894 ms = 1.01x, so the gating
 pass was most of the kernel's time. Left on the table: the upper-triangle mask of Aqk in smem per
 chunk and three CTA barriers per chunk.
