@@ -95,3 +95,22 @@ def test_call_cache_compiles_once_marshals_per_shape_and_pins_nothing(cpu_stream
     del a1, o1
     gc.collect()
     assert all(s.expired() for s in first), "a tensor handed to a cached call is freed when dropped"
+
+
+def test_view_entries_are_bounded_least_recently_used_first(cpu_stream):
+    """Shapes that change every step (packed batches) must not grow the view level forever."""
+    cc = cache.CallCache("bounded", max_entries=3)
+
+    def call(T):
+        a = torch.randn(1, T, 4, 32)
+        cc.launch(("k", 32), (a,), ((0, 1),), lambda views, stream: _FakeCompiled())
+
+    for T in (64, 128, 192):
+        call(T)
+    call(64)  # a hit: 64 becomes the most recent
+    call(256)  # evicts 128, the least recently used
+    assert len(cc.entries) == 3 and cc.marshals == 4 and cc.compiles == 1
+    call(64)
+    assert cc.marshals == 4, "a kept shape is not re-marshalled"
+    call(128)
+    assert cc.marshals == 5, "an evicted shape is marshalled again"

@@ -11,6 +11,7 @@ So a stage call goes through two levels:
   view level      keyed on the full shapes and strides and the current stream. It holds the
                   descriptors made on the first such call. Later calls rewrite only the data
                   pointer of each descriptor (`retarget`: one 64-bit store) and launch.
+                  At most MAX_VIEW_ENTRIES per stage, least recently used dropped first.
 
 The view level would pin memory if left alone: `from_dlpack` keeps a reference to the exporting
 tensor for the life of the descriptor, so a cached descriptor would keep the FIRST call's
@@ -31,12 +32,17 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 ALIGN = 16  # bytes; every view is declared 16-byte aligned to the compiler
+# View-level entries kept per stage, least recently used dropped first: a run whose T changes
+# every step (packed batches) would otherwise add descriptors forever. One entry is a few small
+# descriptors; dropping one costs a re-marshal (tens of us) if that shape comes back.
+MAX_VIEW_ENTRIES = 256
 
 
 def cute_view(t: torch.Tensor, dyn_modes: Sequence[int] = ()):
@@ -129,7 +135,8 @@ class CallCache:
 
     name: str
     compiled: dict = field(default_factory=dict)
-    entries: dict = field(default_factory=dict)
+    entries: OrderedDict = field(default_factory=OrderedDict)  # least recently used first
+    max_entries: int = MAX_VIEW_ENTRIES
     lock: threading.Lock = field(default_factory=threading.Lock)
     compiles: int = 0  # observable for tests: how many times `build` ran
     marshals: int = 0  # how many view-level entries were built
@@ -145,7 +152,9 @@ class CallCache:
         handle, stream = current_stream(args[0].device)
         view_key = (compile_key, handle, tuple(tensor_sig(t) for t in args))
         entry = self.entries.get(view_key)
-        if entry is None:
+        if entry is not None:
+            self.entries.move_to_end(view_key)
+        else:
             with self.lock:
                 entry = self.entries.get(view_key)
                 if entry is None:
@@ -157,6 +166,8 @@ class CallCache:
                     entry = (views, tuple(pointer_cell(ct) for ct in views))
                     self.entries[view_key] = entry
                     self.marshals += 1
+                    while len(self.entries) > self.max_entries:
+                        self.entries.popitem(last=False)
         views, cells = entry
         for cell, t in zip(cells, args, strict=True):
             retarget(cell, t)
