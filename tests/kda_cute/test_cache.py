@@ -82,7 +82,7 @@ def test_call_cache_compiles_once_marshals_per_shape_and_pins_nothing(cpu_stream
     a1, o1 = call(2, 64)
     a2, o2 = call(2, 64)
     assert cc.compiles == 1 and cc.marshals == 1
-    compiled = cc.compiled[("k", 32)]
+    compiled = cc.compiled[(("k", 32), None)]  # (compile key, device index): CPU has none
     assert compiled.calls[-1] == (a2.data_ptr(), o2.data_ptr()), "second call must retarget"
     assert o1.data_ptr() != o2.data_ptr(), "outputs are fresh per call"
     call(3, 128)  # new B/T: a new view entry, the same compiled object
@@ -114,3 +114,23 @@ def test_view_entries_are_bounded_least_recently_used_first(cpu_stream):
     assert cc.marshals == 4, "a kept shape is not re-marshalled"
     call(128)
     assert cc.marshals == 5, "an evicted shape is marshalled again"
+
+
+def test_one_compiled_kernel_per_device(cpu_stream, monkeypatch):
+    """A compiled kernel lives in one device's context: a second device compiles its own."""
+    import ctypes
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(cache, "cute_view", lambda t, d: object())
+    monkeypatch.setattr(cache, "release_keepalives", lambda *cts: None)
+    monkeypatch.setattr(cache, "pointer_cell", lambda ct: ctypes.c_uint64())
+    cc = cache.CallCache("devices")
+
+    def fake(index):  # what launch reads of a tensor, on "device" `index` (not CUDA: no switch)
+        return SimpleNamespace(device=SimpleNamespace(type="cpu", index=index), shape=(1, 64),
+                               stride=lambda: (64, 1), dtype=torch.float32, data_ptr=lambda: 4096)
+
+    launched = []
+    for index in (0, 0, 1):
+        cc.launch(("k",), (fake(index),), ((0,),), lambda views, stream: lambda *a: launched.append(1))
+    assert cc.compiles == 2 and {k[1] for k in cc.compiled} == {0, 1} and len(launched) == 3

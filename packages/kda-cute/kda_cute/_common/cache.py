@@ -149,8 +149,19 @@ class CallCache:
         build: Callable,
         extra: tuple = (),
     ) -> None:
-        handle, stream = current_stream(args[0].device)
-        view_key = (compile_key, handle, tuple(tensor_sig(t) for t in args))
+        dev = args[0].device
+        if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+            # a compiled kernel is loaded into, and launched from, the current device's context:
+            # make that the tensors' device (torch's own ops do the same per call)
+            with torch.cuda.device(dev):
+                return self._launch(compile_key, args, dyn_modes, build, extra)
+        return self._launch(compile_key, args, dyn_modes, build, extra)
+
+    def _launch(self, compile_key, args, dyn_modes, build, extra) -> None:
+        dev = args[0].device
+        handle, stream = current_stream(dev)
+        ckey = (compile_key, dev.index)  # one compiled (loaded) kernel per device
+        view_key = (ckey, handle, tuple(tensor_sig(t) for t in args))
         entry = self.entries.get(view_key)
         if entry is not None:
             self.entries.move_to_end(view_key)
@@ -159,8 +170,8 @@ class CallCache:
                 entry = self.entries.get(view_key)
                 if entry is None:
                     views = tuple(cute_view(t, d) for t, d in zip(args, dyn_modes, strict=True))
-                    if compile_key not in self.compiled:
-                        self.compiled[compile_key] = build(views, stream, *extra)
+                    if ckey not in self.compiled:
+                        self.compiled[ckey] = build(views, stream, *extra)
                         self.compiles += 1
                     release_keepalives(*views)
                     entry = (views, tuple(pointer_cell(ct) for ct in views))
@@ -171,7 +182,7 @@ class CallCache:
         views, cells = entry
         for cell, t in zip(cells, args, strict=True):
             retarget(cell, t)
-        self.compiled[compile_key](*views, stream, *extra)
+        self.compiled[ckey](*views, stream, *extra)
 
     def clear(self) -> None:
         with self.lock:
