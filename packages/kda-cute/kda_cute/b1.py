@@ -20,7 +20,8 @@ accumulator layout of `w @ h`.
 Measured on the H200 (2026-11-30): correctness as in `kda_cute._scan`'s docstring.
 Speed at B16 T8192 H16 V256 bf16, same run: 1.615 ms (2 stages, one V tile per CTA) vs fla's
 fwd_h 1.955 ms = 1.21x (target 1.3x / 1.36 ms: NOT met); two V tiles per CTA 1.641, one stage
-1.805. B2 T4096: 0.252 vs 0.401 ms (1.59x).
+1.805. B2 T4096: 0.252 vs 0.401 ms (1.59x). Re-timed 2026-12-01 (bench/results/scans_2026-12-01.md):
+1.569 ms vs 1.880 (1.20x), two V tiles per CTA 1.551 vs 1.903 (1.23x): still short of 1.3x.
 
 Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
 chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
@@ -308,11 +309,17 @@ def operand_reason(kg, w, u, gk, initial_state=None) -> str | None:
             return f"{name} is not contiguous"
         if t.data_ptr() % 16:
             return f"{name} is not 16-byte aligned"
-    if initial_state is not None:
-        if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != (B, HV, K, V):
-            return "initial_state must be fp32 [B, HV, K, V]"
-        if not initial_state.is_contiguous() or initial_state.data_ptr() % 16:
-            return "initial_state not contiguous / aligned"
+    return state_reason("initial_state", initial_state, B, HV, K, V)
+
+
+def state_reason(name: str, t, B: int, HV: int, K: int, V: int) -> str | None:
+    """An optional fp32 [B, HV, K, V] state (h0, ht's gradient): None when absent or usable."""
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or tuple(t.shape) != (B, HV, K, V):
+        return f"{name} must be fp32 [B, HV, K, V]"
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        return f"{name} not contiguous / aligned"
     return None
 
 

@@ -35,7 +35,7 @@ import torch
 
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from .b1 import _DT, S, _cutlass_dtype, _dummy, extent_reason, floor_reason
+from .b1 import _DT, S, _cutlass_dtype, _dummy, extent_reason, floor_reason, state_reason
 
 STAGES = 2
 # two V tiles per CTA: 1.845 ms vs 2.159 (one) at B16 T8192 H16 V256 (fla 3.080); V % 128 != 0 uses one
@@ -297,10 +297,9 @@ def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
     for name, t in (("h0", h0), ("dht", dht)):
-        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (B, HV, K, V)):
-            return f"{name} must be fp32 [B, HV, K, V]"
-        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
-            return f"{name} not contiguous / aligned"
+        r = state_reason(name, t, B, HV, K, V)
+        if r:
+            return r
     return floor_reason(do.shape, GRID_FLOOR)
 
 

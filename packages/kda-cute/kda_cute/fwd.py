@@ -49,7 +49,7 @@ import torch
 
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from .b1 import _DT, S, _cutlass_dtype, _dummy, extent_reason, floor_reason, operand_reason
+from .b1 import _DT, S, _cutlass_dtype, _dummy, extent_reason, floor_reason, operand_reason, state_reason
 
 # The compiled variant, by grid (measured on the H200, 2026-12-01, same run as fla, bench/results/
 # scans_2026-12-01.md): at B16 T8192 H16 V256 (1024 V tiles) 1 stage x 2 warpgroups 1.687 ms
@@ -323,8 +323,8 @@ def plan_reason(q, v, initial_state=None) -> str | None:
 
     Makes the checks of is_supported that the inputs decide (device, dtype, K, V, T, heads,
     initial_state, grid floor), so no qg is computed for a kernel the chain would not run. The
-    intermediates (fresh, contiguous, the shapes fla's
-    fwd_intra gives) are checked by is_supported when the stage is called."""
+    intermediates (fresh, contiguous, the shapes fla's fwd_intra gives) are checked by
+    is_supported when the stage is called."""
     r = device_reason(v)
     if r:
         return r
@@ -341,12 +341,7 @@ def plan_reason(q, v, initial_state=None) -> str | None:
         return r
     if tuple(v.shape[:2]) != (B, T) or HV % H:
         return "v must be [B, T, HV, V] with HV % H == 0"
-    if initial_state is not None:
-        if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != (B, HV, K, V):
-            return "initial_state must be fp32 [B, HV, K, V]"
-        if not initial_state.is_contiguous() or initial_state.data_ptr() % 16:
-            return "initial_state not contiguous / aligned"
-    return floor_reason(v.shape, GRID_FLOOR)
+    return state_reason("initial_state", initial_state, B, HV, K, V) or floor_reason(v.shape, GRID_FLOOR)
 
 
 def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups):

@@ -43,8 +43,8 @@ gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk and b
 Threads of a warp own consecutive d, so every per-column smem read is a conflict-free row
 segment, every dA read of the diagonal a warp-uniform broadcast. The rows are padded (dA 68, g
 132, q/k 136 elements) so mma fragment loads are conflict-free or 2-way: ~110 KB per CTA, still
-two CTAs (16 warps) per SM. The staging loads are 16-byte vectors,
-all 24 per thread issued before the first store. The incoming dq/dk/dg are read and the outputs
+two CTAs (16 warps) per SM. The staging loads are 16-byte vectors, all 24 per thread issued
+before the first store. The incoming dq/dk/dg are read and the outputs
 written straight from registers (coalesced 128 B per warp per row) through one per-thread
 column pointer per tensor: H and HV are compile-time (B and T dynamic), so the row stride is an
 immediate (this took IMAD 959 -> 152 per thread). The incoming grads of the first rows the
@@ -52,8 +52,7 @@ diagonal walk finalizes are loaded before the cross sums, later rows `pf` rows a
 
 Validation without a GPU (tests/kda_cute/test_intra_compile.py): the sm_90a PTX the DSL emits is
 executed by a small PTX interpreter on CPU (fold_dg; K 128; K 64 with GVA and strong gates)
-and matches the float64 reference (~1e-5 relative, tf32), every
-output written.
+and matches the float64 reference (~1e-5 relative, tf32), every output written.
 
 Measured (H200, 2026-12-01, mma path, bench/results/intra_2026-12-01.md): B16 T8192 H=HV=16
 K128 bf16, same run as fla's 15.250 ms intra + 0.659 ms dg cumsum (15.909): fold_dg + emit_bf16
@@ -62,8 +61,8 @@ K128 bf16, same run as fla's 15.250 ms intra + 0.659 ms dg cumsum (15.909): fold
 session: the 32 dg rows a thread held across the walk spilled (ptxas: 392 B; fold cost 0.39 ms
 over no fold), now re-read from the thread's own stores, and db_in plus those re-reads are
 issued before the end barriers: 4.526 -> 4.209 -> 4.150 ms. Errors vs float64 2.5-4x below
-fla's at all 8 check shapes, runs bitwise identical, emit_bf16 equals
-the cast. The first measurement (2026-11-30, SIMT, before the fixes): 4.95 ms, 3.18x.
+fla's at all 8 check shapes, runs bitwise identical, emit_bf16 equals the cast. The first
+measurement (2026-11-30, SIMT, before the fixes): 4.95 ms, 3.18x.
 
 Cost model (static; SASS from ptxas 13.0 -arch=sm_90a on the DSL's PTX, K=128): 102 / 158
 instructions per 8 source / target rows, ~5.9k / 5.4k per thread, ~45k warp-instructions per
@@ -82,8 +81,8 @@ of g/k per lane, far over the register budget. (5) The cross sums as SIMT fp32 F
 (r, s, d), dA as warp-uniform LDS.128 broadcasts): ~1000x below fla's error (2.5e-8..1e-7) but
 13-15% slower (4.757 vs 4.150 ms fold_dg, H200 2026-12-01); it was the first default and was
 deleted once the mma path measured faster (end to end it had kept dA_log's error at 3.5e-3
-where the mma path gives 6.6e-3 against fla's 5.8e-3). (6) A multi-chunk CTA (cpc consecutive chunks of
-one head, cp.async double-buffered staging, 512 threads, one CTA per SM), meant to hide each
+where the mma path gives 6.6e-3 against fla's 5.8e-3). (6) A multi-chunk CTA (cpc consecutive
+chunks of one head, cp.async double-buffered staging, 512 threads, one CTA per SM), meant to hide each
 CTA's staging and tail: measured on the H200 2026-12-01 against the SIMT default's 5.168 ms at
 the reference shape: cpc 4/8/16 5.85/5.82/5.59, cpc 8 + pf 4 6.14, cpc 8 + xu 2 5.09; slower or
 level at every shape, so it was deleted (logs/check_intra_cpc_2026-12-01_H200.log).
