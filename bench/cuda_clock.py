@@ -25,8 +25,13 @@ def cuda_now() -> float:
     return _state["t"]
 
 
-def median_ms(fn, *, warmup: int = 5, reps: int = 30) -> float:
-    """Median device time of fn() over reps, CUDA events around each call, after warm-up."""
+def median_ms(fn, *, warmup: int = 5, reps: int = 30, inner: int = 1) -> float:
+    """Median device time of one fn() call, CUDA events around each sample, after warm-up.
+
+    inner=1: a sample is one call from an idle GPU, so the call's host work before its first
+    launch is counted (what a host-bound small step pays). inner=N: a sample is N calls back to
+    back, divided by N; from the second call on, the host prepares while the GPU runs, as in a
+    training step at large shapes, so the sample is the kernels' own time plus launch gaps."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -34,9 +39,10 @@ def median_ms(fn, *, warmup: int = 5, reps: int = 30) -> float:
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(inner):
+            fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / inner)
     times.sort()
     return times[len(times) // 2]
