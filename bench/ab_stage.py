@@ -38,7 +38,7 @@ def load_alt(path: str, n: int):
     return name
 
 
-def make_inputs(stage: str, shape: str):
+def make_inputs(stage: str, shape: str, h0: bool = True):
     """(the stage's inputs, fla's call on them)."""
     B, T, H, HV = SHAPES[shape]
     if stage == "intra":
@@ -48,7 +48,7 @@ def make_inputs(stage: str, shape: str):
         return args, lambda: ci.fla_intra(args, fold=True)
     import check_scans as cs
 
-    d = cs.make_inputs(B, T, H, HV, 256)
+    d = cs.make_inputs(B, T, H, HV, 256, h0=h0)
     return d, {"b1": lambda: cs.fla_b1(d), "dhu": lambda: cs.fla_dhu(d), "fwd": lambda: cs.fla_fwd(d)}[stage]
 
 
@@ -81,6 +81,7 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), action="append")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-h0", action="store_true", help="scans: no initial / final state")
     ap.add_argument("--inner", type=int, default=1, help="calls back to back per sample (cuda_clock)")
     a = ap.parse_args()
     pkgs = {"main": "kda_cute"}
@@ -88,7 +89,7 @@ def main():
         pkgs[f"alt{i}"] = load_alt(p, i)
         print(f"alt{i} = {p}")
     for shape in a.shape or ["ref"]:
-        args, fla = make_inputs(a.stage, shape)
+        args, fla = make_inputs(a.stage, shape, h0=not a.no_h0)
         fns = {}
         for tag, pkg in pkgs.items():
             fns.update(stage_fns(a.stage, pkg, args, tag))
