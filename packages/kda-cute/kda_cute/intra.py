@@ -143,9 +143,17 @@ def _build_kernel_class():
     """Defined lazily so importing this module does not import the DSL (seconds)."""
     import cutlass
     import cutlass.cute as cute
+    from cutlass._mlir.dialects import arith
     from cutlass.cute.nvgpu import warp
+    from cutlass.cutlass_dsl import T
 
     f32 = cutlass.Float32
+
+    def _tf32_rna(x):
+        """cvt.rna.tf32.f32 of a finite x as one integer add: the mma reads only the top 19 bits,
+        so adding half a tf32 ulp to the bit pattern rounds to nearest, ties away (ptxas expands
+        cvt.rna into a 4-instruction sequence with an inf/NaN guard on sm_90)."""
+        return cutlass.Int32(arith.bitcast(T.i32(), f32(x).ir_value())) + 0x1000
 
     class _Kernel(KdaIntraBwd):
         @cute.jit
@@ -378,12 +386,12 @@ def _build_kernel_class():
                 for s8 in cutlass.range(0, r0, 8, unroll=1):
                     for ei in cutlass.range_constexpr(nA):
                         ma, ka = cA[ei]
-                        fA1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAq[r0 + ma, s8 + ka]))
-                        fA2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAk[r0 + ma, s8 + ka]))
+                        fA1i[ei] = _tf32_rna(sAq[r0 + ma, s8 + ka])
+                        fA2i[ei] = _tf32_rna(sAk[r0 + ma, s8 + ka])
                     for ei in cutlass.range_constexpr(nB):
                         nb, kb2 = cB[ei]
                         kgv = f32(sK[s8 + kb2, d0 + nb]) * _exp2(gaB[ei] - sG[s8 + kb2, d0 + nb])
-                        fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kgv))
+                        fB1i[ei] = _tf32_rna(kgv)
                     cute.gemm(tmma, acc1, fA1, fB1, acc1)
                     cute.gemm(tmma, acc2, fA2, fB1, acc2)
                 self._to_columns(((acc1, accq), (acc2, acck)), sStage, cC, wid, lane)
@@ -401,16 +409,16 @@ def _build_kernel_class():
                 for r8 in cutlass.range(r0 + BC, BT, 8, unroll=1):
                     for ei in cutlass.range_constexpr(nA):
                         ma, ka = cA[ei]
-                        fA1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAq[r8 + ka, r0 + ma]))
-                        fA2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAk[r8 + ka, r0 + ma]))
+                        fA1i[ei] = _tf32_rna(sAq[r8 + ka, r0 + ma])
+                        fA2i[ei] = _tf32_rna(sAk[r8 + ka, r0 + ma])
                     for ei in cutlass.range_constexpr(nB):
                         nb, kb2 = cB[ei]
                         rrow = r8 + kb2
                         ex = _exp2(sG[rrow, d0 + nb] - gnB[ei])
                         qbv = f32(sQ[rrow, d0 + nb]) * ex
                         kbv = sBeta[rrow] * f32(sK[rrow, d0 + nb]) * ex
-                        fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(qbv))
-                        fB2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kbv))
+                        fB1i[ei] = _tf32_rna(qbv)
+                        fB2i[ei] = _tf32_rna(kbv)
                     cute.gemm(tmma, acc1, fA1, fB1, acc1)
                     cute.gemm(tmma, acc1, fA2, fB2, acc1)
                 self._to_columns(((acc1, dkt),), sStage, cC, wid, lane)
