@@ -324,7 +324,8 @@ def _build_kernel_class():
             # this thread's column d of each [B, T, HV, K] tensor in this chunk: one pointer per
             # tensor, rows at a static stride (HV * K), so every per-row access is an immediate
             # offset from it (no per-access 64-bit index arithmetic)
-            colv = cute.make_layout(BT, stride=cute.size(mG, mode=[2]) * K)
+            RS = cute.size(mG, mode=[2]) * K  # row stride of the [B, T, HV, K] tensors (static)
+            colv = cute.make_layout(BT, stride=RS)
             cDqi = cute.make_tensor(mDqi[b, row0, hv, None].iterator + d, colv)
             cDki = cute.make_tensor(mDki[b, row0, hv, None].iterator + d, colv)
             cDgi = cute.make_tensor(mDgi[b, row0, hv, None].iterator + d, colv)
@@ -374,6 +375,12 @@ def _build_kernel_class():
                 for j in cutlass.range_constexpr(min(self.pf, BC)):
                     gp = r0 + BC - 1 - j
                     pf[BC - 1 - j] = (cDqi[gp], cDki[gp], cDgi[gp])
+                # the block's other incoming rows are pulled into L2 now (the warp's 32 columns
+                # of a row are one 128-byte line), so the walk's loads pf rows ahead hit L2
+                for j in cutlass.range_constexpr(min(self.pf, BC), BC):
+                    gp = r0 + BC - 1 - j
+                    for col in (cDqi, cDki, cDgi):
+                        cute.arch.prefetch((col.iterator + gp * RS).llvm_ptr, cache_level="L2")
 
                 # -- cross row side: sources s < r0, anchored at the block's first row
                 ga = gs[0]
