@@ -676,6 +676,8 @@ class _CTA:
                 yield ("wsync",)
             elif base == "bar" or base == "barrier":
                 yield ("bar",)
+            elif base == "prefetch":  # a cache hint: no effect on the result
+                pass
             elif base == "mma":
                 d = [r.strip() for r in args[0].strip("{}").split(",")]
                 a = [val(r.strip()) for r in args[1].strip("{}").split(",")]
