@@ -86,7 +86,6 @@ def test_compiles_for_sm90a_and_the_ptx_computes_the_contract(monkeypatch, tmp_p
     assert ".local" not in body, "register arrays fell to local memory"
     assert "ld.global.v4" in body or "ld.global.nc.v4" in body, "16-byte loads expected"
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text
-    assert "cvt.rna.tf32.f32" in text
     got = _emulate_ptx(text, a)
     want = ref.bwd_intra(*[t.double() for t in a], fold_dg=True)
     for name, x, w in zip(("dq", "dk", "db", "dg"), got, want, strict=True):
@@ -106,7 +105,6 @@ def test_k64_gva_strong_gate(monkeypatch, tmp_path):
     a[2] = (-5.0 * torch.rand(*a[2].shape)).cumsum(1) / 0.6931471805599453
     text = _ptx(intra.compile_for(*a, fold_dg=True, keep_ptx=True))
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text
-    assert "cvt.rna.tf32.f32" in text
     got = _emulate_ptx(text, a)
     want = ref.bwd_intra(*[t.double() for t in a], fold_dg=True)
     for name, x, w in zip(("dq", "dk", "db", "dg"), got, want, strict=True):
@@ -678,6 +676,8 @@ class _CTA:
                 yield ("wsync",)
             elif base == "bar" or base == "barrier":
                 yield ("bar",)
+            elif base == "prefetch":  # a cache hint: no effect on the result
+                pass
             elif base == "mma":
                 d = [r.strip() for r in args[0].strip("{}").split(",")]
                 a = [val(r.strip()) for r in args[1].strip("{}").split(",")]

@@ -143,9 +143,17 @@ def _build_kernel_class():
     """Defined lazily so importing this module does not import the DSL (seconds)."""
     import cutlass
     import cutlass.cute as cute
+    from cutlass._mlir.dialects import arith
     from cutlass.cute.nvgpu import warp
+    from cutlass.cutlass_dsl import T
 
     f32 = cutlass.Float32
+
+    def _tf32_rna(x):
+        """cvt.rna.tf32.f32 of a finite x as one integer add: the mma reads only the top 19 bits,
+        so adding half a tf32 ulp to the bit pattern rounds to nearest, ties away (ptxas expands
+        cvt.rna into a 4-instruction sequence with an inf/NaN guard on sm_90)."""
+        return cutlass.Int32(arith.bitcast(T.i32(), f32(x).ir_value())) + 0x1000
 
     class _Kernel(KdaIntraBwd):
         @cute.jit
@@ -316,7 +324,8 @@ def _build_kernel_class():
             # this thread's column d of each [B, T, HV, K] tensor in this chunk: one pointer per
             # tensor, rows at a static stride (HV * K), so every per-row access is an immediate
             # offset from it (no per-access 64-bit index arithmetic)
-            colv = cute.make_layout(BT, stride=cute.size(mG, mode=[2]) * K)
+            RS = cute.size(mG, mode=[2]) * K  # row stride of the [B, T, HV, K] tensors (static)
+            colv = cute.make_layout(BT, stride=RS)
             cDqi = cute.make_tensor(mDqi[b, row0, hv, None].iterator + d, colv)
             cDki = cute.make_tensor(mDki[b, row0, hv, None].iterator + d, colv)
             cDgi = cute.make_tensor(mDgi[b, row0, hv, None].iterator + d, colv)
@@ -366,6 +375,12 @@ def _build_kernel_class():
                 for j in cutlass.range_constexpr(min(self.pf, BC)):
                     gp = r0 + BC - 1 - j
                     pf[BC - 1 - j] = (cDqi[gp], cDki[gp], cDgi[gp])
+                # the block's other incoming rows are pulled into L2 now (the warp's 32 columns
+                # of a row are one 128-byte line), so the walk's loads pf rows ahead hit L2
+                for j in cutlass.range_constexpr(min(self.pf, BC), BC):
+                    gp = r0 + BC - 1 - j
+                    for col in (cDqi, cDki, cDgi):
+                        cute.arch.prefetch((col.iterator + gp * RS).llvm_ptr, cache_level="L2")
 
                 # -- cross row side: sources s < r0, anchored at the block's first row
                 ga = gs[0]
@@ -378,12 +393,12 @@ def _build_kernel_class():
                 for s8 in cutlass.range(0, r0, 8, unroll=1):
                     for ei in cutlass.range_constexpr(nA):
                         ma, ka = cA[ei]
-                        fA1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAq[r0 + ma, s8 + ka]))
-                        fA2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAk[r0 + ma, s8 + ka]))
+                        fA1i[ei] = _tf32_rna(sAq[r0 + ma, s8 + ka])
+                        fA2i[ei] = _tf32_rna(sAk[r0 + ma, s8 + ka])
                     for ei in cutlass.range_constexpr(nB):
                         nb, kb2 = cB[ei]
                         kgv = f32(sK[s8 + kb2, d0 + nb]) * _exp2(gaB[ei] - sG[s8 + kb2, d0 + nb])
-                        fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kgv))
+                        fB1i[ei] = _tf32_rna(kgv)
                     cute.gemm(tmma, acc1, fA1, fB1, acc1)
                     cute.gemm(tmma, acc2, fA2, fB1, acc2)
                 self._to_columns(((acc1, accq), (acc2, acck)), sStage, cC, wid, lane)
@@ -401,16 +416,16 @@ def _build_kernel_class():
                 for r8 in cutlass.range(r0 + BC, BT, 8, unroll=1):
                     for ei in cutlass.range_constexpr(nA):
                         ma, ka = cA[ei]
-                        fA1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAq[r8 + ka, r0 + ma]))
-                        fA2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(sAk[r8 + ka, r0 + ma]))
+                        fA1i[ei] = _tf32_rna(sAq[r8 + ka, r0 + ma])
+                        fA2i[ei] = _tf32_rna(sAk[r8 + ka, r0 + ma])
                     for ei in cutlass.range_constexpr(nB):
                         nb, kb2 = cB[ei]
                         rrow = r8 + kb2
                         ex = _exp2(sG[rrow, d0 + nb] - gnB[ei])
                         qbv = f32(sQ[rrow, d0 + nb]) * ex
                         kbv = sBeta[rrow] * f32(sK[rrow, d0 + nb]) * ex
-                        fB1i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(qbv))
-                        fB2i[ei] = cutlass.Int32(cute.arch.cvt_f32_tf32(kbv))
+                        fB1i[ei] = _tf32_rna(qbv)
+                        fB2i[ei] = _tf32_rna(kbv)
                     cute.gemm(tmma, acc1, fA1, fB1, acc1)
                     cute.gemm(tmma, acc1, fA2, fB2, acc1)
                 self._to_columns(((acc1, dkt),), sStage, cC, wid, lane)
