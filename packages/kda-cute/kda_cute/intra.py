@@ -33,8 +33,11 @@ The cross sums run on tf32 mma.sync m16n8k8 (`cute.nvgpu.warp.MmaTF32Op`), per w
 32 columns: row side C[16 r, 32 d] += dA[r, 8 s] kg[8 s, 32 d] per 8 sources (q and k
 accumulators share the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per 8
 targets. Each fragment register's (m|n, k) coordinate comes from partitioning an identity tensor
-with the thread's MMA slice, so the operands (kg, qb, kbb with their exp2 anchors, then cvt.rna
-to tf32: fla's tl.dot precision) are computed straight into registers from smem. The C tile (2
+with the thread's MMA slice, so the operands (kg, qb, kbb with their exp2 anchors, then rounded
+to tf32: fla's tl.dot precision) are computed straight into registers from smem. The rounding is
+one integer add of half a tf32 ulp to the bit pattern (the mma reads only the top 19 bits): the
+same result as cvt.rna.tf32.f32 for finite values, which ptxas expands into a 4-instruction
+sequence with an inf/NaN guard (the add measured -0.04..-0.12 ms, outputs bitwise unchanged). The C tile (2
 rows x 2 columns per lane) reaches the column-per-thread registers through a per-warp 8 x 33
 smem stage, half a tile at a time. Errors ~1e-5 relative, 2.5-4x below fla's.
 
@@ -48,21 +51,28 @@ before the first store. The incoming dq/dk/dg are read and the outputs
 written straight from registers (coalesced 128 B per warp per row) through one per-thread
 column pointer per tensor: H and HV are compile-time (B and T dynamic), so the row stride is an
 immediate (this took IMAD 959 -> 152 per thread). The incoming grads of the first rows the
-diagonal walk finalizes are loaded before the cross sums, later rows `pf` rows ahead.
+diagonal walk finalizes are loaded before the cross sums, later rows `pf` rows ahead, and every
+other incoming row of the block is prefetched into L2 when the block starts (a warp's 32 columns
+of a row are one 128-byte line). Nsight Compute (2026-12-01) put 40% of the walk's stall samples
+on those row loads (long scoreboard, ~100 instructions after issue): the walk was waiting on
+DRAM. The L2 prefetch took the reference shape from 4.078 to 3.954 ms (fold_dg).
 
 Validation without a GPU (tests/kda_cute/test_intra_compile.py): the sm_90a PTX the DSL emits is
 executed by a small PTX interpreter on CPU (fold_dg; K 128; K 64 with GVA and strong gates)
 and matches the float64 reference (~1e-5 relative, tf32), every output written.
 
-Measured (H200, 2026-12-01, mma path, bench/results/intra_2026-12-01.md): B16 T8192 H=HV=16
-K128 bf16, same run as fla's 15.250 ms intra + 0.659 ms dg cumsum (15.909): fold_dg + emit_bf16
-(what the chain runs when HV == H) 3.971 ms = 4.01x; fold_dg alone 3.83x (4.150 ms); no fold
-4.023. B2 T4096 H16: 0.352 ms vs 1.155 (3.28x). Two fold_dg fixes made the difference this
-session: the 32 dg rows a thread held across the walk spilled (ptxas: 392 B; fold cost 0.39 ms
-over no fold), now re-read from the thread's own stores, and db_in plus those re-reads are
-issued before the end barriers: 4.526 -> 4.209 -> 4.150 ms. Errors vs float64 2.5-4x below
-fla's at all 8 check shapes, runs bitwise identical, emit_bf16 equals the cast. The first
-measurement (2026-11-30, SIMT, before the fixes): 4.95 ms, 3.18x.
+Measured (H200, 2026-12-01, bench/results/intra_2026-12-01.md; CUDA events, 3 calls back to
+back per sample, fla in the same process): B16 T8192 H=HV=16 K128 bf16, fla's intra + dg cumsum
+15.33 ms: fold_dg 3.954 ms (3.88x), fold_dg + emit_bf16 (what the chain runs when HV == H) 3.778
+(4.06x); before this session's two changes 4.094 / 3.930. Errors vs float64 2.5-4x below fla's
+at all 8 check shapes, runs bitwise identical, emit_bf16 equals the cast. Earlier the same day:
+the fold's 32 dg rows held in registers spilled (392 B; +0.39 ms), now re-read from the thread's
+own stores; the first measurement (2026-11-30, SIMT) was 4.95 ms, 3.18x.
+
+Where the time goes (Nsight Compute, fold_dg, reference shape): staging to the first barrier
+~13% of stall samples, cross sums ~24%, the diagonal walks ~57%, the end (fold fix-up, db) ~7%
+of which the first end barrier ~4.5%. 16 warps per SM (128 registers, 113 KB smem per CTA),
+IPC 1.6, DRAM at 52% of peak: latency-bound.
 
 Cost model (static; SASS from ptxas 13.0 -arch=sm_90a on the DSL's PTX, K=128): 102 / 158
 instructions per 8 source / target rows, ~5.9k / 5.4k per thread, ~45k warp-instructions per
@@ -86,6 +96,13 @@ chunks of one head, cp.async double-buffered staging, 512 threads, one CTA per S
 CTA's staging and tail: measured on the H200 2026-12-01 against the SIMT default's 5.168 ms at
 the reference shape: cpc 4/8/16 5.85/5.82/5.59, cpc 8 + pf 4 6.14, cpc 8 + xu 2 5.09; slower or
 level at every shape, so it was deleted (logs/check_intra_cpc_2026-12-01_H200.log).
+(7) The whole chunk's incoming grads (96 KB) prefetched into L2 at CTA start: no gain (4.138 vs
+4.097 ms) while DRAM throughput rose from 52% to 63%: 264 resident CTAs x 96 KB is half the L2,
+lines were evicted before use and read twice. Per block (24 KB) it works (above). (8) Groups
+taking blocks {g, 3 - g} so both carry equal cross work: level (4.077 vs 4.078); the first end
+barrier's wait stayed ~4.5% of samples, so it is warp skew, not the block split. (9) pf 3 / 4
+without the L2 prefetch: 4.004 / 4.421 ms (pf 4 spills). (10) Staging loads from one base pointer
+per tensor (immediate row strides; 50M fewer IMAD/LEA): level. 7-10: logs/ab_intra_2026-12-01*.
 """
 
 
