@@ -614,9 +614,12 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
     return None
 
 
-# Rows of incoming dq/dk/dg loaded ahead of the diagonal walk. Read per call so
-# bench/check_intra.py --sweep can time others (H200 2026-12-01: pf 1 and 4 within 0.5% of 2).
-_TUNE = {"pf": 2}
+# Rows of incoming dq/dk/dg loaded into registers ahead of the diagonal walk (the rest of the
+# block's rows are in L2 by then), for fp32 dq/dk outputs and for emit_bf16. Read per call so
+# bench/check_intra.py --sweep can time others. H200 2026-12-01, reference shape, same run
+# (logs/ab_intra_2026-12-01c_H200.log): fp32 out pf 1/2/3 3.815/3.920/3.869 ms, bf16 out
+# 3.809/3.744/3.717; without the L2 prefetch pf 4 spilled (+8%).
+_TUNE = {"pf": 1, "pf_bf16": 2}
 # Registers per thread: two 256-thread CTAs per SM (the design point) need <= 128.
 MAXREG = 128
 
@@ -645,7 +648,8 @@ def _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx=False)
     import cutlass.cute as cute
 
     kern = _kernel_class()(
-        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16, _TUNE["pf"]
+        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16,
+        _TUNE["pf_bf16"] if emit_bf16 else _TUNE["pf"]
     )
     opts = f"--ptxas-options --maxrregcount={MAXREG}" + (" --keep-ptx" if keep_ptx else "")
     return cute.compile(kern, *views, stream, options=opts)
