@@ -36,8 +36,9 @@ targets. Each fragment register's (m|n, k) coordinate comes from partitioning an
 with the thread's MMA slice, so the operands (kg, qb, kbb with their exp2 anchors, then rounded
 to tf32: fla's tl.dot precision) are computed straight into registers from smem. The rounding is
 one integer add of half a tf32 ulp to the bit pattern (the mma reads only the top 19 bits): the
-same result as cvt.rna.tf32.f32 for finite values, which ptxas expands into a 4-instruction
-sequence with an inf/NaN guard (the add measured -0.04..-0.12 ms, outputs bitwise unchanged). The C tile (2
+same result as cvt.rna.tf32.f32 for finite values, which ptxas 13 expands into an inf/NaN test,
+the same add and a mask (FSETP, IADD, LOP3): the add measured -0.04..-0.12 ms, outputs bitwise
+unchanged. The C tile (2
 rows x 2 columns per lane) reaches the column-per-thread registers through a per-warp 8 x 33
 smem stage, half a tile at a time. Errors ~1e-5 relative, 2.5-4x below fla's.
 
@@ -169,7 +170,7 @@ def _build_kernel_class():
     def _tf32_rna(x):
         """cvt.rna.tf32.f32 of a finite x as one integer add: the mma reads only the top 19 bits,
         so adding half a tf32 ulp to the bit pattern rounds to nearest, ties away (ptxas expands
-        cvt.rna into a 4-instruction sequence with an inf/NaN guard on sm_90)."""
+        cvt.rna into FSETP + IADD + LOP3 on sm_90: the inf/NaN test and the mask are the saving)."""
         return cutlass.Int32(arith.bitcast(T.i32(), f32(x).ir_value())) + 0x1000
 
     class _Kernel(KdaIntraBwd):
