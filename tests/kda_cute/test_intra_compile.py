@@ -96,6 +96,24 @@ def test_compiles_for_sm90a_and_the_ptx_computes_the_contract(monkeypatch, tmp_p
         assert ref.rel_err(x, w) < TF32_EPS, (name, ref.rel_err(x, w))
 
 
+def test_emit_bf16_ptx_writes_the_cast_of_the_fp32_result(monkeypatch, tmp_path):
+    """emit_bf16 (the chain's build when HV == H): its PTX, run by the interpreter, writes dq and
+    dk equal bit for bit to the bf16 cast of the fp32 build's dq and dk, and the same db, dg."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(2)
+    a = _args(B=1, T=64, H=1, HV=1, K=128)
+    a[2] = (-0.7 * torch.rand(1, 64, 1, 128)).cumsum(1) / 0.6931471805599453
+    f32 = _emulate_ptx(_ptx(intra.compile_for(*a, fold_dg=True, keep_ptx=True)), a)
+    text = _ptx(intra.compile_for(*a, fold_dg=True, emit_bf16=True, keep_ptx=True))
+    got = _emulate_ptx(text, a, emit_bf16=True)
+    for name, x, w in zip(("dq", "dk"), got[:2], f32[:2], strict=True):
+        assert x.dtype == torch.bfloat16, name
+        assert torch.equal(x, w.to(torch.bfloat16)), name
+    for name, x, w in zip(("db", "dg"), got[2:], f32[2:], strict=True):
+        assert torch.equal(x, w), name
+
+
 def test_k64_gva_strong_gate(monkeypatch, tmp_path):
     """K = 64 (four thread groups), GVA, gates near -5 per step: the PTX runs in the interpreter
     and matches float64 to tf32 accuracy."""
