@@ -53,10 +53,25 @@ def _emulate_ptx(text, args, emit_bf16=False):
         params[(name, 0)] = base  # a tensor argument: data pointer, dynamic (B, T), B stride
         params[(name, 8)] = (T << 32) | B
         params[(name, 16)] = t.stride(0)
+    gsize = HV // args[0].shape[2]
+
+    def chunk_rows(tx, hy, bz):
+        """Byte ranges of this CTA's chunk rows in q, k, g, dAqk, dAkk, dq, dk, dg: the only
+        lines its L2 prefetches may touch."""
+        out = []
+        for i in (0, 1, 2, 4, 5, 6, 7, 9):
+            t = tensors[i]
+            head = hy // gsize if i < 2 else hy
+            row = t.shape[3] * t.element_size()
+            for r in range(tx * 64, tx * 64 + 64):
+                lo = bases[i] + ((bz * T + r) * t.shape[2] + head) * row
+                out.append((lo, lo + row))
+        return out
+
     for bz in range(B):
         for hy in range(HV):
             for tx in range(T // 64):
-                _CTA(prog, gmem, params, (tx, hy, bz)).run()
+                _CTA(prog, gmem, params, (tx, hy, bz), prefetch_ok=chunk_rows(tx, hy, bz)).run()
     res = []
     for t, base in zip(outs, bases[10:], strict=True):
         raw = bytearray(gmem[base:base + t.numel() * t.element_size()])
@@ -362,7 +377,9 @@ class _Program:
 
 
 class _CTA:
-    def __init__(self, prog: _Program, gmem: bytearray, params: dict, ctaid, ntid=256, smem_bytes=240 * 1024):
+    def __init__(self, prog: _Program, gmem: bytearray, params: dict, ctaid, ntid=256, smem_bytes=240 * 1024,
+                 prefetch_ok=()):
+        self.prefetch_ok = prefetch_ok  # byte ranges a prefetch may address
         self.p = prog
         self.g = gmem
         self.s = bytearray(smem_bytes)
@@ -536,9 +553,13 @@ class _CTA:
             base = parts[0]
             if base == "ld" or base == "st":
                 space = parts[1]
-                if space == "param":
+                if space == "param":  # 8-byte slots; a vector load ({B, T} as v2.u32) splits them
                     _, pname, off = addr(args[1])
-                    R[args[0]] = self.params[(pname, off)]
+                    nb = int(re.sub(r"\D", "", parts[-1])) // 8
+                    for i, r in enumerate(x.strip() for x in args[0].strip("{}").split(",")):
+                        o = off + i * nb
+                        slot = self.params[(pname, o - o % 8)] >> (8 * (o % 8))
+                        R[r] = slot & ((1 << (8 * nb)) - 1) if nb < 8 else slot
                     continue
                 typ = parts[-1]
                 nbytes = int(re.sub(r"\D", "", typ)) // 8
@@ -700,8 +721,9 @@ class _CTA:
                 yield ("wsync",)
             elif base == "bar" or base == "barrier":
                 yield ("bar",)
-            elif base == "prefetch":  # a cache hint: no effect on the result
-                pass
+            elif base == "prefetch":  # a cache hint: no effect on the result, but in bounds
+                ad = addr(args[0])
+                assert any(lo <= ad < hi for lo, hi in self.prefetch_ok), f"prefetch off the chunk: {ad:#x}"
             elif base == "mma":
                 d = [r.strip() for r in args[0].strip("{}").split(",")]
                 a = [val(r.strip()) for r in args[1].strip("{}").split(",")]
