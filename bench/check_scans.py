@@ -6,8 +6,10 @@ within 2x fla's error (plus a tiny floor). Fresh outputs are NaN-poisoned before
 must come back finite; two runs must be bitwise identical. Inputs are realistic: kg, w, u, Aqk
 and qg (ours fwd and dhu read it) come from fla's own intra (disable_recompute: the store of qg the
 chain asks for) on l2-normed q, k and negative gates. fla's fwd_o and the float64 reference read q.
-Timing: CUDA events per call, warm, median: ours vs fla's fwd_h, fwd_h + fwd_o, bwd_dhu at
-B16 T8192 H16 K128 V256 and a small shape. The table is printed last.
+Timing: CUDA events, warm, median, each sample INNER calls back to back (host launch work
+overlaps the GPU as in a training step; cuda_clock.median_ms; one call per sample until
+2026-12-01 added ~0.05-0.1 ms of host time to both sides): ours vs fla's fwd_h, fwd_h + fwd_o,
+bwd_dhu at B16 T8192 H16 K128 V256 and a small shape. The table is printed last.
 
     python bench/check_scans.py [--quick] [--no-time] [--no-check] [--no-wg2] [--stage b1|fwd|dhu]
 
@@ -30,6 +32,7 @@ from kda_cute import reference as ref
 from kda_cute.reference import rel_err
 
 RCP_LN2 = 1.0 / math.log(2.0)
+INNER = 3  # calls per timing sample
 MODS = (b1, fwd, dhu)
 _poison = {"on": False}
 ONLY: set = {"b1", "fwd", "dhu"}  # --stage narrows it
@@ -249,8 +252,8 @@ def time_shape(B, T, H, HV, V, variants, dtype=torch.bfloat16):
         if stage not in ONLY:
             continue
         try:
-            tf = median_ms(lambda f_fn=f_fn: f_fn(d))
-            ts = {v: median_ms(lambda v=v, o_fn=o_fn: o_fn(d, v)) for v in variants}
+            tf = median_ms(lambda f_fn=f_fn: f_fn(d), inner=INNER)
+            ts = {v: median_ms(lambda v=v, o_fn=o_fn: o_fn(d, v), inner=INNER) for v in variants}
             row = (f"B{B} T{T} H{H} HV{HV} V{V}", stage, B * HV * (V // 64), tf, ts)
             rows.append(row)
             print("timing", row, flush=True)
