@@ -61,7 +61,12 @@ for s in $steps; do
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
     save)  # fla's autotune choices and compiled kernels: copy them to .dev-b/ and .devcache/ here
-      command -v kda_save_autotune >/dev/null && kda_save_autotune >/dev/null 2>&1
+      # (setup.sh's kda_save_autotune is a shell function: not visible in this script's shell,
+      # which is how the 2026-12-01 fp16 run lost its autotune results; the same, inline)
+      if [ -n "${TRITON_CACHE_DIR:-}" ]; then
+        (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 \
+           | tar --null -cf "$OUT/triton-autotune.tar" -T -) && ls -la "$OUT/triton-autotune.tar" | tee -a "$LOG"
+      fi
       if [ -n "${TRITON_CACHE_DIR:-}" ]; then
         tar -C "$TRITON_CACHE_DIR" -cJf "$OUT/triton-cache.tar.xz" . 2>/dev/null
         [ "$(stat -c %s "$OUT/triton-cache.tar.xz")" -lt 16000000 ] || rm -f "$OUT/triton-cache.tar.xz"
