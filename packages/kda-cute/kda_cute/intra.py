@@ -207,6 +207,15 @@ def _build_kernel_class():
             )
 
         @cute.jit
+        def _load_a(self, fA1i, fA2i, sA1, sA2, cA, m0, k0):
+            """The two A fragments (dAqk, dAkk) of one 16 x 8 mma step: rows m0.., columns k0..
+            of sA1 / sA2, rounded to tf32 (the column side passes the transposed views)."""
+            for ei in cutlass.range_constexpr(cute.size(cA)):
+                ma, ka = cA[ei]
+                fA1i[ei] = _tf32_rna(sA1[m0 + ma, k0 + ka])
+                fA2i[ei] = _tf32_rna(sA2[m0 + ma, k0 + ka])
+
+        @cute.jit
         def _to_columns(self, pairs: cutlass.Constexpr, sStage, cC, wid, lane):
             """mma C fragments -> each thread's column (16 rows), through the warp's smem stage
             half a tile (8 rows) at a time; `pairs` = ((C fragment, 16-row column), ...)."""
@@ -273,6 +282,10 @@ def _build_kernel_class():
             # 4-wide views along the contiguous mode (one LDS.128 / 16-byte copy each)
             v4 = cute.make_layout((BT, BT // 4, 4), stride=(AS, 4, 1))
             sAq4 = cute.make_tensor(sAq.iterator, v4)
+            # dA transposed (the column side reads dA by columns: [s, r] = dA[r, s])
+            vT = cute.make_layout((BT, BT), stride=(1, AS))
+            sAqT = cute.make_tensor(sAq.iterator, vT)
+            sAkT = cute.make_tensor(sAk.iterator, vT)
             sAk4 = cute.make_tensor(sAk.iterator, v4)
 
             # ---------------- cooperative loads: 16-byte vectors, all issued before storing
@@ -368,7 +381,6 @@ def _build_kernel_class():
             fB2i = cute.recast_tensor(fB2, cutlass.Int32)
             acc1 = cute.make_rmem_tensor(cC.shape, f32)
             acc2 = cute.make_rmem_tensor(cC.shape, f32)
-            nA = cute.size(fA1)
             nB = cute.size(fB1)
 
             accq = cute.make_rmem_tensor(cute.make_layout(BC), f32)
@@ -409,10 +421,7 @@ def _build_kernel_class():
                 acc1.fill(0.0)
                 acc2.fill(0.0)
                 for s8 in cutlass.range(0, r0, 8, unroll=1):
-                    for ei in cutlass.range_constexpr(nA):
-                        ma, ka = cA[ei]
-                        fA1i[ei] = _tf32_rna(sAq[r0 + ma, s8 + ka])
-                        fA2i[ei] = _tf32_rna(sAk[r0 + ma, s8 + ka])
+                    self._load_a(fA1i, fA2i, sAq, sAk, cA, r0, s8)
                     for ei in cutlass.range_constexpr(nB):
                         nb, kb2 = cB[ei]
                         kgv = f32(sK[s8 + kb2, d0 + nb]) * _exp2(gaB[ei] - sG[s8 + kb2, d0 + nb])
@@ -432,10 +441,7 @@ def _build_kernel_class():
                 gnB = [sG[r0 + BC - 1, d0 + cB[ei][0]] for ei in range(nB)]
                 acc1.fill(0.0)
                 for r8 in cutlass.range(r0 + BC, BT, 8, unroll=1):
-                    for ei in cutlass.range_constexpr(nA):
-                        ma, ka = cA[ei]
-                        fA1i[ei] = _tf32_rna(sAq[r8 + ka, r0 + ma])
-                        fA2i[ei] = _tf32_rna(sAk[r8 + ka, r0 + ma])
+                    self._load_a(fA1i, fA2i, sAqT, sAkT, cA, r0, r8)
                     for ei in cutlass.range_constexpr(nB):
                         nb, kb2 = cB[ei]
                         rrow = r8 + kb2
