@@ -53,19 +53,15 @@ def make_inputs(stage: str, shape: str, h0: bool = True):
 
 
 def stage_fns(stage: str, pkg: str, args, tag: str):
-    """{label: call} of one package's kernel on these inputs."""
+    """{label: call} of one package's kernel on these inputs (check_intra / check_scans' calls)."""
     mod = importlib.import_module(f"{pkg}.{stage}")
-    d = args
     if stage == "intra":
         return {f"{tag}:fold": lambda: mod.bwd_intra(*args, fold_dg=True),
                 f"{tag}:fold+bf16": lambda: mod.bwd_intra(*args, fold_dg=True, emit_bf16=True)}
-    if stage == "b1":
-        return {f"{tag}:b1": lambda: mod.fwd_h(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True)}
-    if stage == "dhu":
-        return {f"{tag}:dhu": lambda: mod.bwd_dhu(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"],
-                                                   d["do"], d["dv"], d["scale"])}
-    return {f"{tag}:fwd": lambda: mod.fwd_scan(d["q"], d["qg"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"],
-                                                d["h0"], True, d["scale"])}
+    import check_scans as cs
+
+    call = {"b1": cs.ours_b1, "dhu": cs.ours_dhu, "fwd": cs.ours_fwd}[stage]
+    return {f"{tag}:{stage}": lambda: call(args, mod=mod)}
 
 
 def _flat(out):

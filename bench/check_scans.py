@@ -87,9 +87,10 @@ def make_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0
 
 
 # ------------------------------------------------------------------------------------- the calls
-def ours_b1(d, var=None):
+# `mod`: the kernel module to call (bench/ab_stage.py passes a candidate package's copy)
+def ours_b1(d, var=None, mod=b1):
     kw = {} if var is None else {"stages": var[0], "warpgroups": var[1]}
-    return b1.fwd_h(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True, **kw)
+    return mod.fwd_h(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True, **kw)
 
 
 def fla_b1(d):
@@ -100,9 +101,9 @@ def fla_b1(d):
     )
 
 
-def ours_fwd(d, var=None):
+def ours_fwd(d, var=None, mod=fwd):
     kw = {} if var is None else {"stages": var[0], "warpgroups": var[1]}
-    return fwd.fwd_scan(
+    return mod.fwd_scan(
         d["q"], d["qg"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], d["h0"], True, d["scale"], **kw
     )
 
@@ -115,9 +116,9 @@ def fla_fwd(d):
     return o, ht
 
 
-def ours_dhu(d, var=None):
+def ours_dhu(d, var=None, mod=dhu):
     kw = {} if var is None else {"stages": var[0], "warpgroups": var[1]}
-    return dhu.bwd_dhu(
+    return mod.bwd_dhu(
         d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], d["dv"], d["scale"], **kw
     )
 

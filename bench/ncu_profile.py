@@ -13,7 +13,6 @@ import argparse
 import check_intra as ci
 import check_scans as cs
 import torch
-from kda_cute import b1, dhu, fwd, intra
 
 B, T, H, HV = 16, 8192, 16, 16
 
@@ -27,26 +26,20 @@ def main():
     if any(s.startswith("intra") for s in stages):
         args = ci.make_inputs(B, T, H, HV, 128)
         if "intra" in stages:
-            intra.bwd_intra(*args, fold_dg=True)
+            ci.ours(args, fold=True)
         if "intra_bf16" in stages:
-            intra.bwd_intra(*args, fold_dg=True, emit_bf16=True)
+            ci.ours(args, fold=True, emit=True)
         if a.fla:
             ci.fla_intra(args, fold=True)
         del args
         torch.cuda.synchronize()
     if any(s in stages for s in ("b1", "dhu", "fwd")):
         d = cs.make_inputs(B, T, H, HV, 256)
-        if "b1" in stages:
-            b1.fwd_h(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True)
-            if a.fla:
-                cs.fla_b1(d)
-        if "dhu" in stages:
-            dhu.bwd_dhu(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], d["dv"], d["scale"])
-            if a.fla:
-                cs.fla_dhu(d)
-        if "fwd" in stages:
-            fwd.fwd_scan(d["q"], d["qg"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], d["h0"], True,
-                         d["scale"])
+        for st in ("b1", "dhu", "fwd"):
+            if st in stages:
+                getattr(cs, f"ours_{st}")(d)
+                if a.fla and st != "fwd":
+                    getattr(cs, f"fla_{st}")(d)
     torch.cuda.synchronize()
     print("done")
 
