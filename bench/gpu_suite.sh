@@ -66,8 +66,6 @@ for s in $steps; do
       if [ -n "${TRITON_CACHE_DIR:-}" ]; then
         (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 \
            | tar --null -cf "$OUT/triton-autotune.tar" -T -) && ls -la "$OUT/triton-autotune.tar" | tee -a "$LOG"
-      fi
-      if [ -n "${TRITON_CACHE_DIR:-}" ]; then
         tar -C "$TRITON_CACHE_DIR" -cJf "$OUT/triton-cache.tar.xz" . 2>/dev/null
         [ "$(stat -c %s "$OUT/triton-cache.tar.xz")" -lt 16000000 ] || rm -f "$OUT/triton-cache.tar.xz"
       fi ;;
