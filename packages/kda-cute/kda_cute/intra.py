@@ -223,8 +223,11 @@ def _build_kernel_class():
                 for src, dst in pairs:
                     for ei in cutlass.range_constexpr(cute.size(src)):
                         if cutlass.const_expr((ei // 2) % 2 == hh):
-                            mc, nc = cC[ei]
-                            sStage[wid, mc - 8 * hh, nc] = src[ei]
+                            mc, _ = cC[ei]
+                            # C register ei = e + 2 h + 4 j is tile column n = 2 (lane % 4) + e
+                            # + 8 j, i.e. the warp's column pi(n) = 4 (lane % 4) + 16 e + j
+                            col = 4 * (lane % 4) + 16 * (ei % 2) + ei // 4
+                            sStage[wid, mc - 8 * hh, col] = src[ei]
                     cute.arch.sync_warp()
                     for i8 in cutlass.range_constexpr(8):
                         dst[8 * hh + i8] = sStage[wid, i8, lane]
@@ -299,6 +302,9 @@ def _build_kernel_class():
             sQv = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // VI, VI), stride=(QS, VI, 1)))
             sKv = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // VI, VI), stride=(QS, VI, 1)))
             sGv = cute.make_tensor(sG.iterator, cute.make_layout((BT, K // 4, 4), stride=(GS, 4, 1)))
+            # 4-column views of q / k (8 bytes) for the mma B fragments
+            sQ4 = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // 4, 4), stride=(QS, 4, 1)))
+            sK4 = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // 4, 4), stride=(QS, 4, 1)))
             vq = []
             vk = []
             for it in cutlass.range_constexpr(nq):
@@ -381,7 +387,15 @@ def _build_kernel_class():
             fB2i = cute.recast_tensor(fB2, cutlass.Int32)
             acc1 = cute.make_rmem_tensor(cC.shape, f32)
             acc2 = cute.make_rmem_tensor(cC.shape, f32)
-            nB = cute.size(fB1)
+            # B fragment register ei = v + 2 j holds (k = lane % 4 + 4 v, n = lane / 4 + 8 j). The
+            # tile's column n is the warp's column pi(n) = 4 c(n % 8) + n / 8, c(x) = x / 2 + 4 (x % 2):
+            # a lane's four B columns are then adjacent (one 16-byte g / 8-byte q, k load per
+            # k row instead of four scalar loads) and the 8 lanes of an LDS.128 phase hit 8
+            # distinct 4-bank groups of the g rows (row stride 132 words). mma results are
+            # the same numbers in permuted C columns (`_to_columns` un-permutes them).
+            lq = lane // 4
+            cb = (d0 + 4 * (lq // 2 + 4 * (lq % 2))) // 4  # this lane's B columns: 4 cb + j
+            kq = lane % 4
 
             accq = cute.make_rmem_tensor(cute.make_layout(BC), f32)
             acck = cute.make_rmem_tensor(cute.make_layout(BC), f32)
@@ -417,15 +431,17 @@ def _build_kernel_class():
                 # (r, d) = sum_s dA[r0 + r, s] * kg[s, d] as a 16 x 32 x 8 tf32 mma step
                 # per 8 sources, per warp (its 32 columns); A = dA rows, B = kg computed
                 # at each fragment register's (n, k) coordinate
-                gaB = [sG[r0, d0 + cB[ei][0]] for ei in range(nB)]
+                gaB = sGv[r0, cb, None].load()
                 acc1.fill(0.0)
                 acc2.fill(0.0)
                 for s8 in cutlass.range(0, r0, 8, unroll=1):
                     self._load_a(fA1i, fA2i, sAq, sAk, cA, r0, s8)
-                    for ei in cutlass.range_constexpr(nB):
-                        nb, kb2 = cB[ei]
-                        kgv = f32(sK[s8 + kb2, d0 + nb]) * _exp2(gaB[ei] - sG[s8 + kb2, d0 + nb])
-                        fB1i[ei] = _tf32_rna(kgv)
+                    for v in cutlass.range_constexpr(2):
+                        srow = s8 + kq + 4 * v
+                        kv = sK4[srow, cb, None].load().to(f32)
+                        gv = sGv[srow, cb, None].load()
+                        for j in cutlass.range_constexpr(4):
+                            fB1i[v + 2 * j] = _tf32_rna(kv[j] * _exp2(gaB[j] - gv[j]))
                     cute.gemm(tmma, acc1, fA1, fB1, acc1)
                     cute.gemm(tmma, acc2, fA2, fB1, acc2)
                 self._to_columns(((acc1, accq), (acc2, acck)), sStage, cC, wid, lane)
@@ -438,18 +454,20 @@ def _build_kernel_class():
                 gn = gs[BC - 1]
                 # (s, d) = sum_r dAq[r, r0 + s] qb[r, d] + dAk[r, r0 + s] kbb[r, d]: two
                 # chained mma steps per 8 target rows; A = dA columns (transposed reads)
-                gnB = [sG[r0 + BC - 1, d0 + cB[ei][0]] for ei in range(nB)]
+                gnB = sGv[r0 + BC - 1, cb, None].load()
                 acc1.fill(0.0)
                 for r8 in cutlass.range(r0 + BC, BT, 8, unroll=1):
                     self._load_a(fA1i, fA2i, sAqT, sAkT, cA, r0, r8)
-                    for ei in cutlass.range_constexpr(nB):
-                        nb, kb2 = cB[ei]
-                        rrow = r8 + kb2
-                        ex = _exp2(sG[rrow, d0 + nb] - gnB[ei])
-                        qbv = f32(sQ[rrow, d0 + nb]) * ex
-                        kbv = sBeta[rrow] * f32(sK[rrow, d0 + nb]) * ex
-                        fB1i[ei] = _tf32_rna(qbv)
-                        fB2i[ei] = _tf32_rna(kbv)
+                    for v in cutlass.range_constexpr(2):
+                        rrow = r8 + kq + 4 * v
+                        gv = sGv[rrow, cb, None].load()
+                        qv = sQ4[rrow, cb, None].load().to(f32)
+                        kv = sK4[rrow, cb, None].load().to(f32)
+                        br = sBeta[rrow]
+                        for j in cutlass.range_constexpr(4):
+                            ex = _exp2(gv[j] - gnB[j])
+                            fB1i[v + 2 * j] = _tf32_rna(qv[j] * ex)
+                            fB2i[v + 2 * j] = _tf32_rna(br * kv[j] * ex)
                     cute.gemm(tmma, acc1, fA1, fB1, acc1)
                     cute.gemm(tmma, acc1, fA2, fB2, acc1)
                 self._to_columns(((acc1, dkt),), sStage, cC, wid, lane)
