@@ -173,6 +173,10 @@ def _build_kernel_class():
         cvt.rna into FSETP + IADD + LOP3 on sm_90: the inf/NaN test and the mask are the saving)."""
         return cutlass.Int32(arith.bitcast(T.i32(), f32(x).ir_value())) + 0x1000
 
+    def _as_f32(i):
+        """The fp32 with bit pattern i (bf16 -> fp32 is the 16 bits moved to the top)."""
+        return f32(arith.bitcast(T.f32(), cutlass.Int32(i).ir_value()))
+
     class _Kernel(KdaIntraBwd):
         @cute.jit
         def __call__(
@@ -214,6 +218,16 @@ def _build_kernel_class():
                 ma, ka = cA[ei]
                 fA1i[ei] = _tf32_rna(sA1[m0 + ma, k0 + ka])
                 fA2i[ei] = _tf32_rna(sA2[m0 + ma, k0 + ka])
+
+        @cute.jit
+        def _four(self, src, io: cutlass.Constexpr):
+            """Four adjacent q / k values as fp32 (src: 4 x 16-bit, or bf16 pairs as 2 x i32)."""
+            if cutlass.const_expr(io is cutlass.BFloat16):
+                w = src.load()
+                return [_as_f32(w[i // 2] << 16) if i % 2 == 0 else _as_f32(w[i // 2] & -65536)
+                        for i in range(4)]
+            v = src.load().to(f32)
+            return [v[i] for i in range(4)]
 
         @cute.jit
         def _to_columns(self, pairs: cutlass.Constexpr, sStage, cC, wid, lane):
@@ -302,9 +316,16 @@ def _build_kernel_class():
             sQv = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // VI, VI), stride=(QS, VI, 1)))
             sKv = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // VI, VI), stride=(QS, VI, 1)))
             sGv = cute.make_tensor(sG.iterator, cute.make_layout((BT, K // 4, 4), stride=(GS, 4, 1)))
-            # 4-column views of q / k (8 bytes) for the mma B fragments
-            sQ4 = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // 4, 4), stride=(QS, 4, 1)))
-            sK4 = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // 4, 4), stride=(QS, 4, 1)))
+            # 4-column views of q / k (8 bytes) for the mma B fragments; bf16 as 2 x i32 (unpacked
+            # by a shift and a mask: the DSL's vector convert spends a PRMT + shift per odd lane)
+            if cutlass.const_expr(io is cutlass.BFloat16):
+                l4 = cute.make_layout((BT, K // 4, 2), stride=(QS // 2, 2, 1))
+                sQ4 = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=cutlass.Int32), l4)
+                sK4 = cute.make_tensor(cute.recast_ptr(sK.iterator, dtype=cutlass.Int32), l4)
+            else:
+                l4 = cute.make_layout((BT, K // 4, 4), stride=(QS, 4, 1))
+                sQ4 = cute.make_tensor(sQ.iterator, l4)
+                sK4 = cute.make_tensor(sK.iterator, l4)
             vq = []
             vk = []
             for it in cutlass.range_constexpr(nq):
@@ -438,7 +459,7 @@ def _build_kernel_class():
                     self._load_a(fA1i, fA2i, sAq, sAk, cA, r0, s8)
                     for v in cutlass.range_constexpr(2):
                         srow = s8 + kq + 4 * v
-                        kv = sK4[srow, cb, None].load().to(f32)
+                        kv = self._four(sK4[srow, cb, None], io)
                         gv = sGv[srow, cb, None].load()
                         for j in cutlass.range_constexpr(4):
                             fB1i[v + 2 * j] = _tf32_rna(kv[j] * _exp2(gaB[j] - gv[j]))
@@ -461,8 +482,8 @@ def _build_kernel_class():
                     for v in cutlass.range_constexpr(2):
                         rrow = r8 + kq + 4 * v
                         gv = sGv[rrow, cb, None].load()
-                        qv = sQ4[rrow, cb, None].load().to(f32)
-                        kv = sK4[rrow, cb, None].load().to(f32)
+                        qv = self._four(sQ4[rrow, cb, None], io)
+                        kv = self._four(sK4[rrow, cb, None], io)
                         br = sBeta[rrow]
                         for j in cutlass.range_constexpr(4):
                             ex = _exp2(gv[j] - gnB[j])
