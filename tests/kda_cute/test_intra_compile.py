@@ -129,15 +129,15 @@ def test_emit_bf16_ptx_writes_the_cast_of_the_fp32_result(monkeypatch, tmp_path)
         assert torch.equal(x, w), name
 
 
-def test_k64_gva_strong_gate(monkeypatch, tmp_path):
-    """K = 64 (four thread groups), GVA, gates near -5 per step: the PTX runs in the interpreter
-    and matches float64 to tf32 accuracy."""
+def test_k64_gva_strong_gate_fp16(monkeypatch, tmp_path):
+    """K = 64 (four thread groups), GVA, fp16 q / k, gates near -5 per step: the PTX runs in the
+    interpreter and matches float64 to tf32 accuracy."""
     K = 64
     ref = pytest.importorskip("kda_cute.reference")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(1)
-    a = _args(B=1, T=64, H=1, HV=2 if K == 64 else 1, K=K)
+    a = _args(B=1, T=64, H=1, HV=2 if K == 64 else 1, K=K, dtype=torch.float16)
     a[2] = (-5.0 * torch.rand(*a[2].shape)).cumsum(1) / 0.6931471805599453
     text = _ptx(intra.compile_for(*a, fold_dg=True, keep_ptx=True))
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text

@@ -173,6 +173,10 @@ def _build_kernel_class():
         cvt.rna into FSETP + IADD + LOP3 on sm_90: the inf/NaN test and the mask are the saving)."""
         return cutlass.Int32(arith.bitcast(T.i32(), f32(x).ir_value())) + 0x1000
 
+    def _as_f32(i):
+        """The fp32 with bit pattern i (bf16 -> fp32 is the 16 bits moved to the top)."""
+        return f32(arith.bitcast(T.f32(), cutlass.Int32(i).ir_value()))
+
     class _Kernel(KdaIntraBwd):
         @cute.jit
         def __call__(
@@ -216,6 +220,16 @@ def _build_kernel_class():
                 fA2i[ei] = _tf32_rna(sA2[m0 + ma, k0 + ka])
 
         @cute.jit
+        def _four(self, src, io: cutlass.Constexpr):
+            """Four adjacent q / k values as fp32 (src: 4 x 16-bit, or bf16 pairs as 2 x i32)."""
+            if cutlass.const_expr(io is cutlass.BFloat16):
+                w = src.load()
+                return [_as_f32(w[i // 2] << 16) if i % 2 == 0 else _as_f32(w[i // 2] & -65536)
+                        for i in range(4)]
+            v = src.load().to(f32)
+            return [v[i] for i in range(4)]
+
+        @cute.jit
         def _to_columns(self, pairs: cutlass.Constexpr, sStage, cC, wid, lane):
             """mma C fragments -> each thread's column (16 rows), through the warp's smem stage
             half a tile (8 rows) at a time; `pairs` = ((C fragment, 16-row column), ...)."""
@@ -223,8 +237,11 @@ def _build_kernel_class():
                 for src, dst in pairs:
                     for ei in cutlass.range_constexpr(cute.size(src)):
                         if cutlass.const_expr((ei // 2) % 2 == hh):
-                            mc, nc = cC[ei]
-                            sStage[wid, mc - 8 * hh, nc] = src[ei]
+                            mc, _ = cC[ei]
+                            # C register ei = e + 2 h + 4 j is tile column n = 2 (lane % 4) + e
+                            # + 8 j, i.e. the warp's column pi(n) = 4 (lane % 4) + 16 e + j
+                            col = 4 * (lane % 4) + 16 * (ei % 2) + ei // 4
+                            sStage[wid, mc - 8 * hh, col] = src[ei]
                     cute.arch.sync_warp()
                     for i8 in cutlass.range_constexpr(8):
                         dst[8 * hh + i8] = sStage[wid, i8, lane]
@@ -299,6 +316,16 @@ def _build_kernel_class():
             sQv = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // VI, VI), stride=(QS, VI, 1)))
             sKv = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // VI, VI), stride=(QS, VI, 1)))
             sGv = cute.make_tensor(sG.iterator, cute.make_layout((BT, K // 4, 4), stride=(GS, 4, 1)))
+            # 4-column views of q / k (8 bytes) for the mma B fragments; bf16 as 2 x i32 (unpacked
+            # by a shift and a mask: the DSL's vector convert spends a PRMT + shift per odd lane)
+            if cutlass.const_expr(io is cutlass.BFloat16):
+                l4 = cute.make_layout((BT, K // 4, 2), stride=(QS // 2, 2, 1))
+                sQ4 = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=cutlass.Int32), l4)
+                sK4 = cute.make_tensor(cute.recast_ptr(sK.iterator, dtype=cutlass.Int32), l4)
+            else:
+                l4 = cute.make_layout((BT, K // 4, 4), stride=(QS, 4, 1))
+                sQ4 = cute.make_tensor(sQ.iterator, l4)
+                sK4 = cute.make_tensor(sK.iterator, l4)
             vq = []
             vk = []
             for it in cutlass.range_constexpr(nq):
@@ -381,7 +408,15 @@ def _build_kernel_class():
             fB2i = cute.recast_tensor(fB2, cutlass.Int32)
             acc1 = cute.make_rmem_tensor(cC.shape, f32)
             acc2 = cute.make_rmem_tensor(cC.shape, f32)
-            nB = cute.size(fB1)
+            # B fragment register ei = v + 2 j holds (k = lane % 4 + 4 v, n = lane / 4 + 8 j). The
+            # tile's column n is the warp's column pi(n) = 4 c(n % 8) + n / 8, c(x) = x / 2 + 4 (x % 2):
+            # a lane's four B columns are then adjacent (one 16-byte g / 8-byte q, k load per
+            # k row instead of four scalar loads) and the 8 lanes of an LDS.128 phase hit 8
+            # distinct 4-bank groups of the g rows (row stride 132 words). mma results are
+            # the same numbers in permuted C columns (`_to_columns` un-permutes them).
+            lq = lane // 4
+            cb = (d0 + 4 * (lq // 2 + 4 * (lq % 2))) // 4  # this lane's B columns: 4 cb + j
+            kq = lane % 4
 
             accq = cute.make_rmem_tensor(cute.make_layout(BC), f32)
             acck = cute.make_rmem_tensor(cute.make_layout(BC), f32)
@@ -417,15 +452,17 @@ def _build_kernel_class():
                 # (r, d) = sum_s dA[r0 + r, s] * kg[s, d] as a 16 x 32 x 8 tf32 mma step
                 # per 8 sources, per warp (its 32 columns); A = dA rows, B = kg computed
                 # at each fragment register's (n, k) coordinate
-                gaB = [sG[r0, d0 + cB[ei][0]] for ei in range(nB)]
+                gaB = sGv[r0, cb, None].load()
                 acc1.fill(0.0)
                 acc2.fill(0.0)
                 for s8 in cutlass.range(0, r0, 8, unroll=1):
                     self._load_a(fA1i, fA2i, sAq, sAk, cA, r0, s8)
-                    for ei in cutlass.range_constexpr(nB):
-                        nb, kb2 = cB[ei]
-                        kgv = f32(sK[s8 + kb2, d0 + nb]) * _exp2(gaB[ei] - sG[s8 + kb2, d0 + nb])
-                        fB1i[ei] = _tf32_rna(kgv)
+                    for v in cutlass.range_constexpr(2):
+                        srow = s8 + kq + 4 * v
+                        kv = self._four(sK4[srow, cb, None], io)
+                        gv = sGv[srow, cb, None].load()
+                        for j in cutlass.range_constexpr(4):
+                            fB1i[v + 2 * j] = _tf32_rna(kv[j] * _exp2(gaB[j] - gv[j]))
                     cute.gemm(tmma, acc1, fA1, fB1, acc1)
                     cute.gemm(tmma, acc2, fA2, fB1, acc2)
                 self._to_columns(((acc1, accq), (acc2, acck)), sStage, cC, wid, lane)
@@ -438,18 +475,20 @@ def _build_kernel_class():
                 gn = gs[BC - 1]
                 # (s, d) = sum_r dAq[r, r0 + s] qb[r, d] + dAk[r, r0 + s] kbb[r, d]: two
                 # chained mma steps per 8 target rows; A = dA columns (transposed reads)
-                gnB = [sG[r0 + BC - 1, d0 + cB[ei][0]] for ei in range(nB)]
+                gnB = sGv[r0 + BC - 1, cb, None].load()
                 acc1.fill(0.0)
                 for r8 in cutlass.range(r0 + BC, BT, 8, unroll=1):
                     self._load_a(fA1i, fA2i, sAqT, sAkT, cA, r0, r8)
-                    for ei in cutlass.range_constexpr(nB):
-                        nb, kb2 = cB[ei]
-                        rrow = r8 + kb2
-                        ex = _exp2(sG[rrow, d0 + nb] - gnB[ei])
-                        qbv = f32(sQ[rrow, d0 + nb]) * ex
-                        kbv = sBeta[rrow] * f32(sK[rrow, d0 + nb]) * ex
-                        fB1i[ei] = _tf32_rna(qbv)
-                        fB2i[ei] = _tf32_rna(kbv)
+                    for v in cutlass.range_constexpr(2):
+                        rrow = r8 + kq + 4 * v
+                        gv = sGv[rrow, cb, None].load()
+                        qv = self._four(sQ4[rrow, cb, None], io)
+                        kv = self._four(sK4[rrow, cb, None], io)
+                        br = sBeta[rrow]
+                        for j in cutlass.range_constexpr(4):
+                            ex = _exp2(gv[j] - gnB[j])
+                            fB1i[v + 2 * j] = _tf32_rna(qv[j] * ex)
+                            fB2i[v + 2 * j] = _tf32_rna(br * kv[j] * ex)
                     cute.gemm(tmma, acc1, fA1, fB1, acc1)
                     cute.gemm(tmma, acc1, fA2, fB2, acc1)
                 self._to_columns(((acc1, dkt),), sStage, cC, wid, lane)
