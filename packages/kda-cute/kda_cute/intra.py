@@ -32,9 +32,15 @@ Per block i (rows r0 = 16 i ..), per column:
 The cross sums run on tf32 mma.sync m16n8k8 (`cute.nvgpu.warp.MmaTF32Op`), per warp over its
 32 columns: row side C[16 r, 32 d] += dA[r, 8 s] kg[8 s, 32 d] per 8 sources (q and k
 accumulators share the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per 8
-targets. Each fragment register's (m|n, k) coordinate comes from partitioning an identity tensor
-with the thread's MMA slice, so the operands (kg, qb, kbb with their exp2 anchors, then rounded
-to tf32: fla's tl.dot precision) are computed straight into registers from smem. The rounding is
+targets. The A fragments' (m, k) coordinates come from partitioning an identity tensor with the
+thread's MMA slice; the B operands (kg, qb, kbb with their exp2 anchors, then rounded to tf32:
+fla's tl.dot precision) are computed straight into registers from smem. The tile's column n is
+the warp's column pi(n) = 4 c(n % 8) + n / 8, c(x) = x / 2 + 4 (x % 2): a lane's four B columns
+(n = lane / 4 + 8 j) are then adjacent, so a k row of g is one 16-byte load and of q / k one
+8-byte load (bf16 unpacked by shift and mask) instead of four scalar loads each, and the 8 lanes
+of an LDS.128 phase hit distinct bank groups; `_to_columns` writes C column n to stage column
+pi(n). Same products, same sums: outputs bitwise unchanged, 11 / 18 fewer instructions per 8-row
+step of the row / column side (85 -> 74, 130 -> 112), fold_dg 3.854 -> 3.798 ms in one A/B. The rounding is
 one integer add of half a tf32 ulp to the bit pattern (the mma reads only the top 19 bits): the
 same result as cvt.rna.tf32.f32 for finite values, which ptxas 13 expands into an inf/NaN test,
 the same add and a mask (FSETP, IADD, LOP3): the add measured -0.04..-0.12 ms, outputs bitwise
@@ -59,13 +65,16 @@ on those row loads (long scoreboard, ~100 instructions after issue): the walk wa
 DRAM. The L2 prefetch took the reference shape from 4.078 to 3.954 ms (fold_dg).
 
 Validation without a GPU (tests/kda_cute/test_intra_compile.py): the sm_90a PTX the DSL emits is
-executed by a small PTX interpreter on CPU (fold_dg; K 128; K 64 with GVA and strong gates)
+executed by a small PTX interpreter on CPU (fold_dg; K 128; K 64 with GVA, fp16 and strong gates)
 and matches the float64 reference (~1e-5 relative, tf32), every output written.
 
 Measured (H200, 2026-12-01, bench/results/intra_2026-12-01.md; CUDA events, 3 calls back to
 back per sample, fla in the same process): B16 T8192 H=HV=16 K128 bf16, fla's intra + dg cumsum
-15.33 ms: fold_dg 3.954 ms (3.88x), fold_dg + emit_bf16 (what the chain runs when HV == H) 3.778
-(4.06x); before this session's two changes 4.094 / 3.930. Errors vs float64 2.5-4x below fla's
+15.3-15.5 ms. Current build (vector B loads): fold_dg 3.758-3.837 ms = 4.04-4.08x in three
+same-run measurements, fold_dg + emit_bf16 (what the chain runs when HV == H) 3.566-3.820 ms
+(4.02-4.30x; the stage benchmark 3.723 vs 15.730, 4.22x); B2 T4096 3.71-3.80x. Before: with
+scalar B loads fold_dg 3.815-3.854 (3.97-4.02x); before the tf32 add and the L2 prefetch 3.954 /
+3.778, earlier 4.094 / 3.930. Errors vs float64 2.5-4x below fla's
 at all 8 check shapes, runs bitwise identical, emit_bf16 equals the cast. Earlier the same day:
 the fold's 32 dg rows held in registers spilled (392 B; +0.39 ms), now re-read from the thread's
 own stores; the first measurement (2026-11-30, SIMT) was 4.95 ms, 3.18x.
@@ -104,6 +113,16 @@ taking blocks {g, 3 - g} so both carry equal cross work: level (4.077 vs 4.078);
 barrier's wait stayed ~4.5% of samples, so it is warp skew, not the block split. (9) pf 3 / 4
 without the L2 prefetch: 4.004 / 4.421 ms (pf 4 spills). (10) Staging loads from one base pointer
 per tensor (immediate row strides; 50M fewer IMAD/LEA): level. 7-10: logs/ab_intra_2026-12-01*.
+(11) Streaming (st.global.cs) output stores: fold 3.938 vs 3.847; with evict_last on the block
+prefetch 3.949; L2 prefetch of the next CTA's staging rows (linear id + 2 x SM count) 4.245 (L2
+thrash, as in 7); the end with named barriers (db waits for its own group only, the fold for
+later groups' totals) 3.995: all slower (logs/ab_intra_2026-12-01e). (12) db by recursive
+halving (a lane keeps one row of a pair and sends the other: 16 rows in 16 shuffles instead of
+80, the same pairing tree, bitwise the same sums), at the block's end, advanced with the walk, or
+per 2 / 4 rows: every form raised spills (32 -> 180-480 bytes at 128 registers) and measured
+level to 15% slower (3.76-4.31 vs 3.76-3.84 ms; logs f, h). Reading SASS for this: shuffles
+after divergent code get a BRA.DIV slow path that repeats the rest of the kernel, so static
+instruction counts double-count; compare the hot loops (between backward branches) instead.
 """
 
 
