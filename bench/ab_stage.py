@@ -52,8 +52,9 @@ def make_inputs(stage: str, shape: str, h0: bool = True):
     return d, {"b1": lambda: cs.fla_b1(d), "dhu": lambda: cs.fla_dhu(d), "fwd": lambda: cs.fla_fwd(d)}[stage]
 
 
-def stage_fns(stage: str, pkg: str, args, tag: str):
-    """{label: call} of one package's kernel on these inputs (check_intra / check_scans' calls)."""
+def stage_fns(stage: str, pkg: str, args, tag: str, variants=()):
+    """{label: call} of one package's kernel on these inputs (check_intra / check_scans' calls);
+    scans: also each (stages, warpgroups) variant, labelled `tag:stage@SxWG`."""
     mod = importlib.import_module(f"{pkg}.{stage}")
     if stage == "intra":
         return {f"{tag}:fold": lambda: mod.bwd_intra(*args, fold_dg=True),
@@ -61,7 +62,10 @@ def stage_fns(stage: str, pkg: str, args, tag: str):
     import check_scans as cs
 
     call = {"b1": cs.ours_b1, "dhu": cs.ours_dhu, "fwd": cs.ours_fwd}[stage]
-    return {f"{tag}:{stage}": lambda: call(args, mod=mod)}
+    fns = {f"{tag}:{stage}": lambda: call(args, mod=mod)}
+    for v in variants:
+        fns[f"{tag}:{stage}@S{v[0]}xWG{v[1]}"] = lambda v=v: call(args, var=v, mod=mod)
+    return fns
 
 
 def _flat(out):
@@ -79,7 +83,10 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-h0", action="store_true", help="scans: no initial / final state")
     ap.add_argument("--inner", type=int, default=1, help="calls back to back per sample (cuda_clock)")
+    ap.add_argument("--var", action="append", default=[], metavar="S,W",
+                    help="scans: also time main's (stages, warpgroups) variant S,W (repeatable)")
     a = ap.parse_args()
+    variants = [tuple(int(x) for x in v.split(",")) for v in a.var]
     pkgs = {"main": "kda_cute"}
     for i, p in enumerate(a.alt):
         pkgs[f"alt{i}"] = load_alt(p, i)
@@ -88,15 +95,16 @@ def main():
         args, fla = make_inputs(a.stage, shape, h0=not a.no_h0)
         fns = {}
         for tag, pkg in pkgs.items():
-            fns.update(stage_fns(a.stage, pkg, args, tag))
+            fns.update(stage_fns(a.stage, pkg, args, tag, variants if tag == "main" else ()))
         fns["fla"] = fla
         # equality of each candidate's outputs with main's
-        ref_out = {k.split(":", 1)[1]: _flat(f()) for k, f in fns.items() if k.startswith("main:")}
+        ref_out = {k.split(":", 1)[1]: _flat(f()) for k, f in fns.items()
+                   if k.startswith("main:") and "@" not in k}
         for k, f in fns.items():
-            if k.startswith("main:") or k == "fla":
+            if (k.startswith("main:") and "@" not in k) or k == "fla":
                 continue
             out = _flat(f())
-            base = ref_out[k.split(":", 1)[1]]
+            base = ref_out[k.split(":", 1)[1].split("@")[0]]
             rel = max(((o.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-30)).item()
                       for o, r in zip(out, base, strict=True))
             print(f"{shape} {k}: max rel diff vs main {rel:.3e}{'  <-- CHANGED' if rel > 1e-3 else ''}")

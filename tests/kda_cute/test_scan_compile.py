@@ -91,7 +91,9 @@ def test_dhu_compiles_fp16():
 
 def test_two_warpgroup_variants_compile():
     d = _t(V=256)
-    _check(b1.compile_for(d["kg"], d["w"], d["u"], d["gk"], None, False, warpgroups=2), "kda_cute_b1")
+    # b1's build at the reference shape: 3 stages x 2 warpgroups (192 KB of smem)
+    b1_ref = b1.compile_for(d["kg"], d["w"], d["u"], d["gk"], None, False, stages=3, warpgroups=2)
+    _check(b1_ref, "kda_cute_b1")
     _check(fwd.compile_for(*_fwd_args(d), d["h0"], True, 0.1, warpgroups=2), "kda_cute_fwd")
     _check(
         dhu.compile_for(
@@ -152,6 +154,16 @@ def test_chain_offers_the_three_scans(monkeypatch):
     assert fwd.is_supported(*_fwd_args(d), None, False, 0.1) is None
     r = fwd.is_supported(d["q"], None, *_fwd_args(d)[2:], None, False, 0.1)
     assert r.startswith("qg not computed by fwd_intra")
+
+
+def test_b1_variant_by_grid():
+    from kda_cute import b1
+
+    assert b1.variant(16, 16, 256) == (3, 2)  # the reference shape: 1024 V tiles
+    assert b1.variant(2, 16, 256) == (2, 1)  # 128 tiles
+    assert b1.variant(64, 16, 64) == (2, 1)  # one V tile per head: no pair
+    n = b1.WIDE_FROM_TILES
+    assert b1.variant(n // 2, 1, 128) == (3, 2) and b1.variant(n // 2 - 1, 1, 128) == (2, 1)
 
 
 def test_fwd_variant_by_grid():

@@ -51,8 +51,25 @@ class _LazyScan:
 
 
 S = _LazyScan()
-STAGES = 2
-WARPGROUPS = 1  # default variant (see fwd_h)
+# The compiled variant, by grid (H200, 2026-12-01, one run with fla, no initial state, 3 calls per
+# sample, bench/results/logs/ab_b1_variants_2026-12-01e_H200.log): at B16 T8192 H16 V256 (1024 V
+# tiles) 3 stages x 2 warpgroups 1.485 ms against 1.565 (2 x 1), 1.513 (2 x 2), 1.798 (3 x 1),
+# 1.808 (4 x 1); fla 1.841. Two warpgroups share each w / kg tile (half the smem fills and L2
+# reads), and at one CTA per SM (192 KB) the third stage fits. At B2 T4096 (128 tiles) 2 x 1
+# 0.138 ms against 0.163-0.173 with two warpgroups (half the SMs would idle). Between the two
+# grids not measured: two warpgroups from 512 tiles up, as fwd.
+WIDE_FROM_TILES = 512
+
+
+def wide_grid(B: int, HV: int, V: int, from_tiles: int) -> bool:
+    """Two warpgroups (two V tiles) per CTA: V pairs up and the grid has >= from_tiles tiles."""
+    return V % (2 * S.BV) == 0 and B * HV * (V // S.BV) >= from_tiles
+
+
+def variant(B: int, HV: int, V: int) -> tuple[int, int]:
+    """(stages, warpgroups) for this grid (see WIDE_FROM_TILES)."""
+    return (3, 2) if wide_grid(B, HV, V, WIDE_FROM_TILES) else (2, 1)
+
 # 64-wide V tiles (B * HV * V/64) below which fla runs. None measured yet: at 128 tiles
 # (B2 T4096 H16 V256) ours is already 1.59x faster than fla (bench/results/scans_2026-11-30.md).
 GRID_FLOOR = 0
@@ -339,7 +356,9 @@ def _compile_key(kg, u, initial_state, output_final_state, stages, nwg):
 
 def _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups):
     B, T, HV, V = u.shape
-    nwg = S.pick_warpgroups(V, WARPGROUPS if warpgroups is None else warpgroups)
+    auto_stages, auto_wg = variant(B, HV, V)
+    stages = auto_stages if stages is None else stages
+    nwg = S.pick_warpgroups(V, auto_wg if warpgroups is None else warpgroups)
     K = kg.shape[-1]
     NT = (T + S.BT - 1) // S.BT
     dev = u.device
@@ -374,7 +393,7 @@ def _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups):
 
 
 def compile_for(
-    kg, w, u, gk, initial_state=None, output_final_state=False, *, stages: int = STAGES, warpgroups=None
+    kg, w, u, gk, initial_state=None, output_final_state=False, *, stages=None, warpgroups=None
 ):
     """Compile without launching (CPU tests); returns the compiled object."""
     _, _, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
@@ -382,12 +401,13 @@ def compile_for(
 
 
 def fwd_h(
-    kg, w, u, gk, initial_state=None, output_final_state=False, *, stages: int = STAGES, warpgroups=None
+    kg, w, u, gk, initial_state=None, output_final_state=False, *, stages=None, warpgroups=None
 ):
     """fla's `chunk_gated_delta_rule_fwd_h(k=kg, w, u, gk=gk, ...)` -> (h, v_new, ht).
 
     `stages` (TMA ring depth) and `warpgroups` (1: one 64-wide V tile per CTA; 2: two V tiles
-    sharing the w / kg tiles, needs V % 128 == 0, else 1) select the compiled variant."""
+    sharing the w / kg tiles, needs V % 128 == 0, else 1) select the compiled variant, by
+    default `variant(B, HV, V)`."""
     outs, key, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
 
     def build(views, stream):

@@ -49,7 +49,17 @@ import torch
 
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from .b1 import _DT, S, _cutlass_dtype, _dummy, extent_reason, floor_reason, operand_reason, state_reason
+from .b1 import (
+    _DT,
+    S,
+    _cutlass_dtype,
+    _dummy,
+    extent_reason,
+    floor_reason,
+    operand_reason,
+    state_reason,
+    wide_grid,
+)
 
 # The compiled variant, by grid (measured on the H200, 2026-12-01, same run as fla, bench/results/
 # scans_2026-12-01.md): at B16 T8192 H16 V256 (1024 V tiles) 1 stage x 2 warpgroups 1.687 ms
@@ -64,9 +74,7 @@ _cache = CallCache("kda_cute_fwd")
 
 def variant(B: int, HV: int, V: int) -> tuple[int, int]:
     """(stages, warpgroups) for this grid (see WIDE_FROM_TILES)."""
-    if V % (2 * S.BV) == 0 and B * HV * (V // S.BV) >= WIDE_FROM_TILES:
-        return 1, 2
-    return 2, 1
+    return (1, 2) if wide_grid(B, HV, V, WIDE_FROM_TILES) else (2, 1)
 
 
 class _Fwd:
