@@ -159,7 +159,7 @@ def _cmp(label, ours_t, fla_t, ref_t, nb):
     return good, f"{label} {eo:.2e}/{ef:.2e}{'' if good else ' FAIL'}"
 
 
-def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None):
+def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None, only=None):
     say(f"{name}: inputs (fla intra)")
     d = make_inputs(B, T, H, HV, V, dtype, h0=h0)
     torch.cuda.synchronize()
@@ -202,7 +202,7 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None):
             ("dh", "dh0", "dv2"),
         ),
     ):
-        if stage not in ONLY:
+        if stage not in (ONLY if only is None else ONLY & only):
             continue
         try:
             say(f"{stage} {name}: ours (compile + launch)")
@@ -241,7 +241,7 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None):
     return ok_all
 
 
-def time_shape(B, T, H, HV, V, variants, dtype=torch.bfloat16):
+def time_shape(B, T, H, HV, V, variants, dtype=torch.bfloat16, only=None):
     """Median ms of fla and of each variant (stages, warpgroups) of ours; rows printed as they come."""
     d = make_inputs(B, T, H, HV, V, dtype, h0=False)
     rows = []
@@ -250,7 +250,7 @@ def time_shape(B, T, H, HV, V, variants, dtype=torch.bfloat16):
         ("fwd", ours_fwd, fla_fwd),
         ("dhu", ours_dhu, fla_dhu),
     ):
-        if stage not in ONLY:
+        if stage not in (ONLY if only is None else ONLY & only):
             continue
         try:
             tf = median_ms(lambda f_fn=f_fn: f_fn(d), inner=INNER)
@@ -302,7 +302,8 @@ def main():
         m.GRID_FLOOR = 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     ok = True
-    # phase 1: the default variants (one warpgroup per CTA): correctness, then timing
+    # phase 1: correctness of the default build per grid (`variant()`: at the reference shape fwd
+    # and b1 run two warpgroups), then timing of the one-warpgroup builds
     if not a.no_check:
         shapes = SHAPES + ([] if a.quick else [REF])
         for name, B, T, H, HV, V, dt, h0 in shapes:
@@ -324,12 +325,18 @@ def main():
         for name, B, T, H, HV, V, dt, h0 in SHAPES[:3]:
             for var in ((2, 2), (1, 2)):
                 ok2 &= check_shape(name, B, T, H, HV, V, dt, h0, var=var)
+            # b1's reference-shape build (3 stages fit only b1's smem: 192 KB)
+            ok2 &= check_shape(name, B, T, H, HV, V, dt, h0, var=(3, 2), only={"b1"})
         print("ALL PASS (2 warpgroups)" if ok2 else "SOME FAIL (2 warpgroups)", flush=True)
     if not a.no_time:
         v2 = [(2, 2), (1, 2)]
         rows2 = time_shape(16, 8192, 16, 16, 256, v2) + time_shape(2, 4096, 16, 16, 256, v2)
+        v3 = [(3, 2)]
+        rows3 = time_shape(16, 8192, 16, 16, 256, v3, only={"b1"}) + time_shape(
+            2, 4096, 16, 16, 256, v3, only={"b1"})
         print_table(rows1, v1)
         print_table(rows2, v2)
+        print_table(rows3, v3)
 
 
 if __name__ == "__main__":
