@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite: everything that needs the H200, in one device call. Logs and results go under
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
-# triton-cache.tar.xz). Each step has its own time limit, so one slow step cannot eat the call.
+# triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench save
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench save savecache
 #                                     (default: all but fp16)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
@@ -66,8 +66,13 @@ for s in $steps; do
       if [ -n "${TRITON_CACHE_DIR:-}" ]; then
         (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 \
            | tar --null -cf "$OUT/triton-autotune.tar" -T -) && ls -la "$OUT/triton-autotune.tar" | tee -a "$LOG"
-        tar -C "$TRITON_CACHE_DIR" -cJf "$OUT/triton-cache.tar.xz" . 2>/dev/null
-        [ "$(stat -c %s "$OUT/triton-cache.tar.xz")" -lt 16000000 ] || rm -f "$OUT/triton-cache.tar.xz"
+      fi ;;
+    savecache)  # fla's compiled kernels too (xz of the whole cache: minutes once fp16 kernels are
+      # in it, and over the 16 MB a file may come back: 2026-12-01's try spent ~2 device-minutes
+      # and came back empty). Only worth it on a cache that has not grown past that.
+      if [ -n "${TRITON_CACHE_DIR:-}" ]; then
+        timeout 90 tar -C "$TRITON_CACHE_DIR" -cJf "$OUT/triton-cache.tar.xz" . 2>/dev/null
+        [ "$(stat -c %s "$OUT/triton-cache.tar.xz" 2>/dev/null || echo 0)" -lt 16000000 ] || rm -f "$OUT/triton-cache.tar.xz"
       fi ;;
   esac
 done

@@ -17,6 +17,13 @@ A of `w @ h`; kg arrives feature-major (K, T) so it is the MN-major A of `kg^T @
 (no transpose pass); u arrives (V, T), the same smem layout as the v_new buffer, read in the
 accumulator layout of `w @ h`.
 
+Measured on the H200 (2026-12-01, third session; logs/ab_b1_variants_2026-12-01e,
+check_scans_b1_s3wg2_2026-12-01f): at the reference shape the default build is now 3 stages x 2
+warpgroups (`variant()`): 1.485-1.491 ms vs fla's fwd_h 1.841-1.845 without an initial state
+(1.24x; stage benchmark 1.527 vs 1.915, 1.25x), outputs bitwise equal to the 2 x 1 build's;
+check_scans ALL PASS (5 shapes default, 3 small shapes for S3xWG2 with h0, GVA tail, T = 64).
+Still short of the issue's 1.3x (1.42 ms): b1 moves 5.39 GB, so 1.42 ms is 3.8 TB/s of a
+measured 4.0 TB/s copy bandwidth. Earlier numbers below are for the 2 x 1 build.
 Measured on the H200 (2026-11-30): correctness as in `kda_cute._scan`'s docstring.
 Speed at B16 T8192 H16 V256 bf16, same run: 1.615 ms (2 stages, one V tile per CTA) vs fla's
 fwd_h 1.955 ms = 1.21x (target 1.3x / 1.36 ms: NOT met); two V tiles per CTA 1.641, one stage
