@@ -156,23 +156,16 @@ def test_chain_offers_the_three_scans(monkeypatch):
     assert r.startswith("qg not computed by fwd_intra")
 
 
-def test_b1_variant_by_grid():
-    from kda_cute import b1
-
-    assert b1.variant(16, 16, 256) == (3, 2)  # the reference shape: 1024 V tiles
-    assert b1.variant(2, 16, 256) == (2, 1)  # 128 tiles
-    assert b1.variant(64, 16, 64) == (2, 1)  # one V tile per head: no pair
-    n = b1.WIDE_FROM_TILES
-    assert b1.variant(n // 2, 1, 128) == (3, 2) and b1.variant(n // 2 - 1, 1, 128) == (2, 1)
-
-
-def test_fwd_variant_by_grid():
-    """Two warpgroups (1 stage) once the grid is wide, else one (2 stages); V % 128 for two."""
-    assert fwd.variant(16, 16, 256) == (1, 2)  # the reference shape: 1024 V tiles
-    assert fwd.variant(2, 16, 256) == (2, 1)  # 128 tiles
-    assert fwd.variant(64, 16, 64) == (2, 1)  # one V tile per head: no pair
-    n = fwd.WIDE_FROM_TILES
-    assert fwd.variant(n // 2, 1, 128) == (1, 2) and fwd.variant(n // 2 - 1, 1, 128) == (2, 1)
+@pytest.mark.parametrize("stage, wide", [("b1", (3, 2)), ("fwd", (1, 2))])
+def test_variant_by_grid(stage, wide):
+    """The wide build (two warpgroups; b1 3 stages, fwd 1) once the grid has WIDE_FROM_TILES V
+    tiles, else 2 stages x 1 warpgroup; two warpgroups need V % 128 == 0."""
+    mod = {"b1": b1, "fwd": fwd}[stage]
+    assert mod.variant(16, 16, 256) == wide  # the reference shape: 1024 V tiles
+    assert mod.variant(2, 16, 256) == (2, 1)  # 128 tiles
+    assert mod.variant(64, 16, 64) == (2, 1)  # one V tile per head: no pair
+    n = mod.WIDE_FROM_TILES
+    assert mod.variant(n // 2, 1, 128) == wide and mod.variant(n // 2 - 1, 1, 128) == (2, 1)
 
 
 def _bad_qg(d):
