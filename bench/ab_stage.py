@@ -84,7 +84,7 @@ def main():
     ap.add_argument("--no-h0", action="store_true", help="scans: no initial / final state")
     ap.add_argument("--inner", type=int, default=1, help="calls back to back per sample (cuda_clock)")
     ap.add_argument("--var", action="append", default=[], metavar="S,W",
-                    help="scans: also time main's (stages, warpgroups) variant S,W (repeatable)")
+                    help="scans: also time each package's (stages, warpgroups) variant S,W (repeatable)")
     a = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in a.var]
     pkgs = {"main": "kda_cute"}
@@ -95,7 +95,7 @@ def main():
         args, fla = make_inputs(a.stage, shape, h0=not a.no_h0)
         fns = {}
         for tag, pkg in pkgs.items():
-            fns.update(stage_fns(a.stage, pkg, args, tag, variants if tag == "main" else ()))
+            fns.update(stage_fns(a.stage, pkg, args, tag, variants))
         fns["fla"] = fla
         # equality of each candidate's outputs with main's
         ref_out = {k.split(":", 1)[1]: _flat(f()) for k, f in fns.items()
