@@ -40,13 +40,13 @@ the warp's column pi(n) = 4 c(n % 8) + n / 8, c(x) = x / 2 + 4 (x % 2): a lane's
 8-byte load (bf16 unpacked by shift and mask) instead of four scalar loads each, and the 8 lanes
 of an LDS.128 phase hit distinct bank groups; `_to_columns` writes C column n to stage column
 pi(n). Same products, same sums: outputs bitwise unchanged, 11 / 18 fewer instructions per 8-row
-step of the row / column side (85 -> 74, 130 -> 112), fold_dg 3.854 -> 3.798 ms in one A/B. The rounding is
-one integer add of half a tf32 ulp to the bit pattern (the mma reads only the top 19 bits): the
-same result as cvt.rna.tf32.f32 for finite values, which ptxas 13 expands into an inf/NaN test,
-the same add and a mask (FSETP, IADD, LOP3): the add measured -0.04..-0.12 ms, outputs bitwise
-unchanged. The C tile (2
-rows x 2 columns per lane) reaches the column-per-thread registers through a per-warp 8 x 33
-smem stage, half a tile at a time. Errors ~1e-5 relative, 2.5-4x below fla's.
+step of the row / column side (85 -> 74, 130 -> 112), fold_dg 3.854 -> 3.798 ms in one A/B.
+The rounding is one integer add of half a tf32 ulp to the bit pattern (the mma reads only the
+top 19 bits): the same result as cvt.rna.tf32.f32 for finite values, which ptxas 13 expands into
+an inf/NaN test, the same add and a mask (FSETP, IADD, LOP3): the add measured -0.04..-0.12
+ms, outputs bitwise unchanged. The C tile (2 rows x 2 columns per lane) reaches the
+column-per-thread registers through a per-warp 8 x 33 smem stage, half a tile at a time.
+Errors ~1e-5 relative, 2.5-4x below fla's.
 
 Layouts. Everything of the chunk that more than one thread reads is staged once in smem in its
 gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk and beta in fp32.
@@ -427,12 +427,8 @@ def _build_kernel_class():
             fB2i = cute.recast_tensor(fB2, cutlass.Int32)
             acc1 = cute.make_rmem_tensor(cC.shape, f32)
             acc2 = cute.make_rmem_tensor(cC.shape, f32)
-            # B fragment register ei = v + 2 j holds (k = lane % 4 + 4 v, n = lane / 4 + 8 j). The
-            # tile's column n is the warp's column pi(n) = 4 c(n % 8) + n / 8, c(x) = x / 2 + 4 (x % 2):
-            # a lane's four B columns are then adjacent (one 16-byte g / 8-byte q, k load per
-            # k row instead of four scalar loads) and the 8 lanes of an LDS.128 phase hit 8
-            # distinct 4-bank groups of the g rows (row stride 132 words). mma results are
-            # the same numbers in permuted C columns (`_to_columns` un-permutes them).
+            # B fragment register ei = v + 2 j holds (k = lane % 4 + 4 v, n = lane / 4 + 8 j); tile
+            # column n is the warp's column pi(n) (module docstring), so j = 0..3 are adjacent
             lq = lane // 4
             cb = (d0 + 4 * (lq // 2 + 4 * (lq % 2))) // 4  # this lane's B columns: 4 cb + j
             kq = lane % 4
