@@ -29,7 +29,7 @@ from functools import cache
 
 import torch
 from kda_cute import reference as ref
-from kda_cute._common.support import device_reason, forced_fla
+from kda_cute._common.support import device_reason, forced_fla, log_once
 from kda_witness import stage_range
 from torch._C._autograd import _profiler_enabled
 
@@ -183,8 +183,11 @@ class Stage:
         raise RuntimeError(f"kda stage {self.name}: no implementation accepts this call: {reasons}")
 
     def run(self, impl: Impl, reason: str | None, *args, **kwargs):
-        """Run a chosen implementation inside its profiler range, recording the choice."""
+        """Run a chosen implementation inside its profiler range, recording the choice; a
+        fallback (an implementation passed over) is also logged, once per distinct reason."""
         dispatch_log().append(Choice(self.name, impl.name, reason))
+        if reason is not None:
+            log_once(f"kda_chain: {self.name} runs {impl.name}: {reason}")
         calls = _capture
         if calls is not None:
             calls.append((self.name, args, kwargs))

@@ -61,7 +61,11 @@ def test_chain_matches_autograd_through_naive_recurrence(shape, flags):
         assert rel_err(a, b) < 1e-9, (name, rel_err(a, b))
 
 
-def test_cpu_dispatch_goes_to_reference_with_reasons():
+def test_cpu_dispatch_goes_to_reference_with_reasons(monkeypatch, caplog):
+    from kda_cute._common import support
+
+    monkeypatch.setattr(support, "_logged", set())  # log_once: fresh for this test
+    caplog.set_level("INFO", logger="kda_cute")
     x = _inputs(T=64)
     reset_dispatch_log()
     o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=x["A_log"])
@@ -72,6 +76,11 @@ def test_cpu_dispatch_goes_to_reference_with_reasons():
         assert "cute: " in log[stage].reason and "fla: no CUDA device" in log[stage].reason
     assert "dg_cumsum" in log, "without the CuTe intra the dg cumsum stage must run"
     assert log["bwd_wy_dqkg"].reason == "fla: no CUDA device"
+    # every fallback is also logged (once per reason), so it is never silent
+    said = [r.getMessage() for r in caplog.records]
+    for stage in ("fwd", "b1", "dhu", "intra", "bwd_wy_dqkg"):
+        want = f"kda_chain: {stage} runs reference: {log[stage].reason}"
+        assert said.count(want) == 1, (want, said)
 
 
 def test_force_fla_env_is_read_per_call(monkeypatch):

@@ -65,7 +65,8 @@ def cpu_stream(monkeypatch):
     return state
 
 
-def test_call_cache_compiles_once_marshals_per_shape_and_pins_nothing(cpu_stream):
+def test_call_cache_compiles_once_marshals_per_shape_and_pins_nothing(cpu_stream, caplog):
+    caplog.set_level("INFO", logger="kda_cute")
     cc = cache.CallCache("test")
     built = []
 
@@ -82,6 +83,8 @@ def test_call_cache_compiles_once_marshals_per_shape_and_pins_nothing(cpu_stream
     a1, o1 = call(2, 64)
     a2, o2 = call(2, 64)
     assert cc.compiles == 1 and cc.marshals == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("compiling test" in m for m in said) == 1 and sum("compiled test in" in m for m in said) == 1
     compiled = cc.compiled[(("k", 32), None)]  # (compile key, device index): CPU has none
     assert compiled.calls[-1] == (a2.data_ptr(), o2.data_ptr()), "second call must retarget"
     assert o1.data_ptr() != o2.data_ptr(), "outputs are fresh per call"

@@ -31,7 +31,9 @@ compile function and hands them to `CallCache.launch`.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +45,7 @@ ALIGN = 16  # bytes; every view is declared 16-byte aligned to the compiler
 # every step (packed batches) would otherwise add descriptors forever. One entry is a few small
 # descriptors; dropping one costs a re-marshal (tens of us) if that shape comes back.
 MAX_VIEW_ENTRIES = 256
+log = logging.getLogger("kda_cute")
 
 
 def cute_view(t: torch.Tensor, dyn_modes: Sequence[int] = ()):
@@ -171,7 +174,11 @@ class CallCache:
                 if entry is None:
                     views = tuple(cute_view(t, d) for t, d in zip(args, dyn_modes, strict=True))
                     if ckey not in self.compiled:
+                        # seconds per build on a first call: say so, it is not a hang
+                        log.info("kda_cute: compiling %s for %s", self.name, ckey)
+                        t0 = time.perf_counter()
                         self.compiled[ckey] = build(views, stream, *extra)
+                        log.info("kda_cute: compiled %s in %.1f s", self.name, time.perf_counter() - t0)
                         self.compiles += 1
                     release_keepalives(*views)
                     entry = (views, tuple(pointer_cell(ct) for ct in views))
