@@ -218,3 +218,21 @@ def test_dhu_small_grid_goes_to_fla():
     r = dhu.static_reason(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"])
     tiles = B * HV * (V // 64)
     assert (r is not None and "below the measured floor" in r) == (tiles < dhu.GRID_FLOOR), (tiles, r)
+
+
+@pytest.mark.parametrize("bad, needle", [(None, "no CUDA device"), (dict(K=64), "K=64"),
+                                         (dict(dtype=torch.float32), "dtype")])
+def test_direct_calls_refuse_what_they_cannot_compute(bad, needle):
+    """Called directly (not through the chain's gate), each scan raises a ValueError naming the
+    reason instead of compiling or launching something wrong: shape / dtype first, then device
+    (CPU tensors here)."""
+    d = _t(**(bad or {}))
+    calls = {
+        "b1.fwd_h": lambda: b1.fwd_h(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True),
+        "fwd.fwd_scan": lambda: fwd.fwd_scan(*_fwd_args(d), d["h0"], True, 0.1),
+        "dhu.bwd_dhu": lambda: dhu.bwd_dhu(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["h0"], d["do"],
+                                           d["dv"], 0.1),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"kda_cute.{name}: unsupported call: .*{needle}"):
+            call()

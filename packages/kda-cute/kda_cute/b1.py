@@ -410,11 +410,15 @@ def compile_for(
 def fwd_h(
     kg, w, u, gk, initial_state=None, output_final_state=False, *, stages=None, warpgroups=None
 ):
-    """fla's `chunk_gated_delta_rule_fwd_h(k=kg, w, u, gk=gk, ...)` -> (h, v_new, ht).
+    """fla's `chunk_gated_delta_rule_fwd_h(k=kg, w, u, gk=gk, ...)` -> (h, v_new, ht); raises
+    ValueError on a call the kernel cannot compute (shape, dtype, layout, device).
 
     `stages` (TMA ring depth) and `warpgroups` (1: one 64-wide V tile per CTA; 2: two V tiles
     sharing the w / kg tiles, needs V % 128 == 0, else 1) select the compiled variant, by
     default `variant(B, HV, V)`."""
+    r = operand_reason(kg, w, u, gk, initial_state) or device_reason(u)
+    if r is not None:
+        raise ValueError(f"kda_cute.b1.fwd_h: unsupported call: {r}")
     outs, key, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
 
     def build(views, stream):

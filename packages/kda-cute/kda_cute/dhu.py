@@ -271,6 +271,12 @@ def is_supported(qg, kg, w, gk, h0, dht, do, dv, scale=None) -> str | None:
 
 
 def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
+    """Shape / dtype / layout checks and the grid floor (no device needed)."""
+    return hard_reason(qg, kg, w, gk, h0, dht, do, dv) or floor_reason(do.shape, GRID_FLOOR)
+
+
+def hard_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
+    """What the kernel cannot compute at all (shape / dtype / layout)."""
     if do.dtype not in _DT:
         return f"dtype {do.dtype} (bf16/fp16 only)"
     if any(t.dtype != do.dtype for t in (qg, kg, w, dv)):
@@ -300,7 +306,7 @@ def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
         r = state_reason(name, t, B, HV, K, V)
         if r:
             return r
-    return floor_reason(do.shape, GRID_FLOOR)
+    return None
 
 
 def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
@@ -371,7 +377,11 @@ def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STA
 
 def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES, warpgroups=None):
     """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2).
-    `stages` / `warpgroups`: the compiled variant (see b1.fwd_h)."""
+    `stages` / `warpgroups`: the compiled variant (see b1.fwd_h). Raises ValueError on a call the
+    kernel cannot compute (shape, dtype, layout, device)."""
+    r = hard_reason(qg, kg, w, gk, h0, dht, do, dv) or device_reason(do)
+    if r is not None:
+        raise ValueError(f"kda_cute.dhu.bwd_dhu: unsupported call: {r}")
     outs, key, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
 
     def build(views, stream):

@@ -305,7 +305,12 @@ def is_supported(
 
 
 def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
-    """Shape / dtype / layout checks and the grid floor (no device needed). q is not read by the
+    """Shape / dtype / layout checks and the grid floor (no device needed)."""
+    return hard_reason(q, qg, kg, w, u, gk, Aqk, initial_state) or floor_reason(u.shape, GRID_FLOOR)
+
+
+def hard_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
+    """What the kernel cannot compute at all (shape / dtype / layout). q is not read by the
     kernel (qg replaces it), so it is not checked; qg must be what fwd_intra(want_qg=True) gives."""
     if qg is None:
         return "qg not computed by fwd_intra"
@@ -322,7 +327,7 @@ def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
     for name, t in (("qg", qg), ("Aqk", Aqk)):
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
-    return floor_reason(u.shape, GRID_FLOOR)
+    return None
 
 
 def plan_reason(q, v, initial_state=None) -> str | None:
@@ -433,7 +438,11 @@ def fwd_scan(
     """fwd_h + fwd_o fused -> (o, ht). qg = bf16(q * exp2(gk)) [B, T, HV, K] in u's dtype, as
     fla's fwd_intra stores it with disable_recompute (the chain's fwd_intra(want_qg=True)); q is
     not read (it stays in the contract for fla and the reference). `stages` / `warpgroups`: the
-    compiled variant, by default `variant(B, HV, V)`."""
+    compiled variant, by default `variant(B, HV, V)`. Raises ValueError on a call the kernel
+    cannot compute (shape, dtype, layout, device)."""
+    r = hard_reason(q, qg, kg, w, u, gk, Aqk, initial_state) or device_reason(u)
+    if r is not None:
+        raise ValueError(f"kda_cute.fwd.fwd_scan: unsupported call: {r}")
     outs, key, args, dyn, cfg = _plan(
         qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
     )
