@@ -159,6 +159,11 @@ def _cmp(label, ours_t, fla_t, ref_t, nb):
     return good, f"{label} {eo:.2e}/{ef:.2e}{'' if good else ' FAIL'}"
 
 
+def _stages(only):
+    """The stages to run: --stage's choice, narrowed to `only` when given."""
+    return ONLY if only is None else ONLY & only
+
+
 def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None, only=None):
     say(f"{name}: inputs (fla intra)")
     d = make_inputs(B, T, H, HV, V, dtype, h0=h0)
@@ -202,7 +207,7 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None, onl
             ("dh", "dh0", "dv2"),
         ),
     ):
-        if stage not in (ONLY if only is None else ONLY & only):
+        if stage not in _stages(only):
             continue
         try:
             say(f"{stage} {name}: ours (compile + launch)")
@@ -250,7 +255,7 @@ def time_shape(B, T, H, HV, V, variants, dtype=torch.bfloat16, only=None):
         ("fwd", ours_fwd, fla_fwd),
         ("dhu", ours_dhu, fla_dhu),
     ):
-        if stage not in (ONLY if only is None else ONLY & only):
+        if stage not in _stages(only):
             continue
         try:
             tf = median_ms(lambda f_fn=f_fn: f_fn(d), inner=INNER)

@@ -120,10 +120,12 @@ class Impl:
     fn: Callable
 
 
-def cute_impl(stage: str, module: str, fn_name: str) -> Impl:
+def cute_impl(stage: str, module: str) -> Impl:
     """The CuTe implementation of `stage`, found at call time in kda_cute.<module>.
 
-    A module not present yet (the kernel is not written) gates with "kernel not built yet".
+    A module not present yet (the kernel is not written) gates with "kernel not built yet". The
+    gate asks the module's `is_supported`; once it says None the call goes to the module's
+    `launch` (its contract function without the checks the gate just made).
     """
 
     def load():
@@ -147,7 +149,7 @@ def cute_impl(stage: str, module: str, fn_name: str) -> Impl:
         return mod.is_supported(*args, **kwargs)
 
     def fn(*args, **kwargs):
-        return getattr(load(), fn_name)(*args, **kwargs)
+        return load().launch(*args, **kwargs)
 
     return Impl("cute", gate, fn)
 
@@ -322,7 +324,7 @@ def _two(name: str, fla_fn: Callable) -> Stage:
 def _three(name: str, fla_fn: Callable) -> Stage:
     """A stage with a CuTe kernel: kda_cute.<name>, then fla, then the reference."""
     fn = _REF_NAME[name]
-    return Stage(name, [cute_impl(name, name, fn), Impl("fla", fla_gate, fla_fn),
+    return Stage(name, [cute_impl(name, name), Impl("fla", fla_gate, fla_fn),
                         Impl("reference", _always, _ref(fn))])
 
 

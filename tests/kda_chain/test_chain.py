@@ -201,6 +201,22 @@ def test_is_supported_names_a_reason_per_cute_stage():
     assert "chunk_size 32" in is_supported(q, v, chunk_size=32)["intra"]
 
 
+@pytest.mark.parametrize("stage", ["fwd", "b1", "dhu", "intra"])
+def test_gated_cute_call_goes_to_launch_with_the_contract_signature(stage, monkeypatch):
+    """After its gate says yes, a CuTe stage calls the module's `launch` (the contract function
+    without the checks the gate just made), which takes exactly the contract's parameters."""
+    import importlib
+    import inspect
+
+    mod = importlib.import_module(f"kda_cute.{stage}")
+    contract = getattr(mod, S._REF_NAME[stage])
+    assert inspect.signature(mod.launch).parameters.keys() == inspect.signature(contract).parameters.keys()
+    seen = []
+    monkeypatch.setattr(mod, "launch", lambda *a, **k: seen.append((a, k)) or "launched")
+    monkeypatch.setattr(mod, S._REF_NAME[stage], lambda *a, **k: pytest.fail("re-checked"))
+    assert S.CUTE_STAGES[stage].impls[0].fn(1, 2, x=3) == "launched" and seen == [((1, 2), {"x": 3})]
+
+
 def test_fla_adapters_bind_to_fla_signatures(monkeypatch):
     """Each fla adapter's call must bind to the real fla 0.6.0 function's signature (the kernels
     themselves need CUDA; this catches a renamed or misspelled argument on CPU)."""

@@ -293,6 +293,11 @@ def mask_upper(sA: cute.Tensor, tid, nthreads: cutlass.Constexpr):
             sA[r, col] = sA.element_type(0.0)
 
 
+def run_cached(cache, cfg, key, args, dyn):
+    """Launch a scan through its call cache; the first call of `key` traces and compiles `cfg`."""
+    cache.launch(key, args, dyn, lambda views, stream: cute.compile(cfg.compile_fn(), *views, stream))
+
+
 def compile_only(cfg, args, dyn):
     """Trace + compile a stage for its args without launching (CPU / CI: CUTE_DSL_ARCH=sm_90a)."""
     import cuda.bindings.driver as cuda

@@ -419,14 +419,14 @@ def fwd_h(
     r = operand_reason(kg, w, u, gk, initial_state) or device_reason(u)
     if r is not None:
         raise ValueError(f"kda_cute.b1.fwd_h: unsupported call: {r}")
+    return launch(kg, w, u, gk, initial_state, output_final_state, stages=stages, warpgroups=warpgroups)
+
+
+def launch(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages=None, warpgroups=None):
+    """`fwd_h` without its checks: for a caller whose `is_supported` just said None (the chain's
+    gate), so a host-bound step does not pay for them twice."""
     outs, key, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
-
-    def build(views, stream):
-        import cutlass.cute as cute
-
-        return cute.compile(cfg.compile_fn(), *views, stream)
-
-    _cache.launch(key, args, dyn, build)
+    S.run_cached(_cache, cfg, key, args, dyn)
     return outs
 
 

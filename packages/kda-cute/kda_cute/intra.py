@@ -735,6 +735,12 @@ def bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf
     reason = _hard_reason(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
     if reason is not None:
         raise ValueError(f"kda_cute.intra.bwd_intra: unsupported call: {reason}")
+    return launch(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg, emit_bf16)
+
+
+def launch(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False):
+    """`bwd_intra` without its checks: for a caller whose `is_supported` just said None (the
+    chain's gate), so a host-bound step does not pay for them twice."""
     B, T, H, K = q.shape
     HV = gk.shape[2]
     outs = _outputs(q, gk, beta, emit_bf16, q.device)
