@@ -44,12 +44,16 @@ def make(B, T, H, HV, K, V, dtype, seed=0):
     return x, dict(do=r(B, T, HV, V), dht=r(B, HV, K, V, dt=torch.float32))
 
 
+def forward(fn, leaves):
+    """fn (a chunk_kda) on the inputs of `make` with FLAGS -> (o, ht)."""
+    return fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], A_log=leaves["A_log"],
+              dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"], **FLAGS)
+
+
 def run(fn, x, cot, dtype=None):
     names = list(x)
     leaves = {n: (t.to(dtype) if dtype else t).detach().requires_grad_(True) for n, t in x.items()}
-    o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
-               A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"],
-               **FLAGS)
+    o, ht = forward(fn, leaves)
     do, dht = (c.to(dtype or c.dtype) for c in (cot["do"], cot["dht"]))
     ((o * do.to(o.dtype)).sum() + (ht * dht.to(ht.dtype)).sum()).backward()
     out = {"o": o.detach(), "ht": ht.detach()}
@@ -94,9 +98,7 @@ def _held_after_forward(fn, x):
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
-               A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"],
-               **FLAGS)
+    o, ht = forward(fn, leaves)
     torch.cuda.synchronize()
     outs = o.untyped_storage().nbytes() + ht.untyped_storage().nbytes()
     held = torch.cuda.memory_allocated() - before - outs
@@ -119,11 +121,5 @@ def test_saved_activations_no_more_than_fla():
     slack = 1 << 20  # allocator rounding of a few small tensors
     assert ours[0] <= fla_kda_held + slack, f"ours holds {ours[0]} B for the backward, fla {fla_kda_held} B"
     assert abs(ours[1] - ours[0]) <= slack, f"a second call holds {ours[1]} B, the first {ours[0]} B"
-    leaves = {n: t.detach() for n, t in x.items()}
-    o1, _ = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
-                      A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"],
-                      **FLAGS)
-    o2, _ = chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
-                      A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"],
-                      **FLAGS)
+    o1, o2 = (forward(chunk_kda, x)[0] for _ in range(2))  # both alive: a cached output would alias
     assert o1.data_ptr() != o2.data_ptr(), "outputs must be fresh per call, never cache-owned"
