@@ -67,11 +67,11 @@ for s in $steps; do
         (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 \
            | tar --null -cf "$OUT/triton-autotune.tar" -T -) && ls -la "$OUT/triton-autotune.tar" | tee -a "$LOG"
       fi ;;
-    savecache)  # fla's compiled kernels too (xz of the whole cache: minutes once fp16 kernels are
-      # in it, and over the 16 MB a file may come back: 2026-12-01's try spent ~2 device-minutes
-      # and came back empty). Only worth it on a cache that has not grown past that.
+    savecache)  # fla's compiled kernels too (single-threaded xz -9 of the whole cache took minutes
+      # on 2026-12-01 and came back empty, over the 16 MB a file may; now xz -3 on every core).
+      # Only worth it on a cache that has not grown past that.
       if [ -n "${TRITON_CACHE_DIR:-}" ]; then
-        timeout 90 tar -C "$TRITON_CACHE_DIR" -cJf "$OUT/triton-cache.tar.xz" . 2>/dev/null
+        timeout 90 tar -C "$TRITON_CACHE_DIR" -cf - . 2>/dev/null | xz -T0 -3 >"$OUT/triton-cache.tar.xz"
         [ "$(stat -c %s "$OUT/triton-cache.tar.xz" 2>/dev/null || echo 0)" -lt 16000000 ] || rm -f "$OUT/triton-cache.tar.xz"
       fi ;;
   esac

@@ -72,10 +72,10 @@ _MN = warpgroup.OperandMajorMode.MN
 
 # ----------------------------------------------------------------------------------------- host
 def pick_warpgroups(V: int, requested) -> int:
-    """Warpgroups per CTA (each owns one 64-wide V tile); 2 needs V % 128 == 0, else 1."""
+    """Warpgroups per CTA (each owns one 64-wide V tile); n needs V % (64 n) == 0, else 1."""
     n = 1 if requested is None else int(requested)
-    if n not in (1, 2):
-        raise ValueError(f"warpgroups must be 1 or 2 (got {requested})")
+    if n not in (1, 2, 4):
+        raise ValueError(f"warpgroups must be 1, 2 or 4 (got {requested})")
     return n if V % (BV * n) == 0 else 1
 
 
@@ -100,6 +100,34 @@ def mma_tt(dtype):
 def mma_kv(dtype):
     """(M = 128 state rows, N = 64 v) over the chunk's tokens: A = X^T (MN-major), B MN-major."""
     return make_mma(dtype, False, False)
+
+
+def make_rs_mma(dtype, b_k_major: bool, n: int):
+    """One-warpgroup wgmma with A from registers (M = 64, N = n): A is an earlier accumulator
+    converted in place (`acc_as_a`), so no smem round trip and no barrier sits between two
+    chained GEMMs."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype,
+        dtype,
+        _K,
+        _K if b_k_major else _MN,
+        cutlass.Float32,
+        (1, 1, 1),
+        tiler_mn=(64, n),
+        a_source=warpgroup.OperandSource.RMEM,
+    )
+
+
+def acc_as_a(frag: cute.Tensor) -> cute.Tensor:
+    """A (M = 64, N) wgmma accumulator fragment (in the operand dtype) viewed as the register A
+    operand of a wgmma with K = N: the C layout ((2, 2, N/8), 1, 1) holds, per 16-column block,
+    exactly the ((2, 2, 2)) values an m64k16 A fragment wants, so the view only regroups the
+    N/8 mode as (2, N/16) and moves N/16 to the k-block mode: ((2, 2, 2), 1, N/16)."""
+    lay = frag.layout
+    d = cute.logical_divide(lay, ((None, None, 2), None, None))
+    shape = ((d.shape[0][0], d.shape[0][1], d.shape[0][2][0]), d.shape[1], d.shape[0][2][1])
+    stride = ((d.stride[0][0], d.stride[0][1], d.stride[0][2][0]), d.stride[1], d.stride[0][2][1])
+    return cute.make_tensor(frag.iterator, cute.make_layout(shape, stride=stride))
 
 
 def smem_layout(dtype, rows: int, cols: int, k_major: bool, stages: int):
@@ -225,6 +253,12 @@ def sync_smem_for_async():
     cute.arch.sync_threads()
 
 
+def sync_smem_for_async_wg(bar: int):
+    """`sync_smem_for_async` for one warpgroup: named barrier `bar` over its 128 threads."""
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=bar, number_of_threads=THREADS)
+
+
 @cute.jit
 def load_row_scale(s_g: cute.Tensor, g_row: cute.Tensor, tid: cutlass.Int32):
     """s_g[k] = exp2(g_row[k]) for k < 128, one element per thread of the first warpgroup
@@ -240,7 +274,7 @@ def scale_rows(acc: cute.Tensor, coords: cute.Tensor, s_g: cute.Tensor, mul: cut
         acc[i] = acc[i] * (s_g[coords[i][0]] * mul)
 
 
-def issue_chunk(mbar, s, nbytes: int, loads, n):
+def issue_chunk(mbar, s, nbytes: int, loads, n, T=None):
     """(all 32 lanes of warp 0) expect `nbytes` on barrier s and TMA-load chunk n of every load.
 
     The whole warp, not one thread: each TMA copy elects its issuing lane with `elect.sync` over
@@ -248,13 +282,18 @@ def issue_chunk(mbar, s, nbytes: int, loads, n):
     (2026-11-30): issued from `tid == 0` alone, the first launch of each of the three scans never finished.
 
     A load is (atom, gmem, smem) into smem stage s, or (atom, gmem, smem, mult, off) into smem
-    stage s * mult + off (per-warpgroup tiles of one pipeline stage)."""
+    stage s * mult + off (per-warpgroup tiles of one pipeline stage), or (atom, gmem, smem, "row"):
+    a one-token tile indexed by token, loaded at chunk n's last valid token (T needed)."""
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive_and_expect_tx(mbar + s, nbytes)
     for ld in loads:
         atom, tg, ts = ld[0], ld[1], ld[2]
-        slot = s if len(ld) == 3 else s * ld[3] + ld[4]
-        cute.copy(atom, tg[None, n], ts[None, slot], tma_bar_ptr=mbar + s)
+        slot, idx = s, n
+        if len(ld) == 4:
+            idx = cutlass.min((n + 1) * BT, T) - 1
+        elif len(ld) == 5:
+            slot = s * ld[3] + ld[4]
+        cute.copy(atom, tg[None, idx], ts[None, slot], tma_bar_ptr=mbar + s)
 
 
 def store_chunk(atom, ts, tg, n):
@@ -264,7 +303,7 @@ def store_chunk(atom, ts, tg, n):
 
 
 @cute.jit
-def prologue(mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads, first, step, NT, tid):
+def prologue(mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads, first, step, NT, tid, T=None):
     """Init one mbarrier per stage and put the first chunks in flight (chunk order first, first+step...)."""
     if tid == 0:
         for i in cutlass.range_constexpr(nstages):
@@ -274,7 +313,7 @@ def prologue(mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads,
     if tid < 32:  # warp 0 whole (see issue_chunk)
         for i in cutlass.range_constexpr(nstages):
             if i < NT:
-                issue_chunk(mbar, i, nbytes, loads, first + step * i)
+                issue_chunk(mbar, i, nbytes, loads, first + step * i, T)
 
 
 def wgmma_wait():

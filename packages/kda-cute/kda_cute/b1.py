@@ -102,21 +102,27 @@ class _B1:
         import cutlass.cute as cute
 
         dt, st, nwg = self.dtype, self.stages, self.nwg
-        self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # (t, k) A K-major, shared by the warpgroups
-        self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # (k, t) A MN-major, shared
+        self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # (t, k): B K-major of P^T, shared
+        self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # (k, t): B MN-major of the update, shared
         self.l_u = S.smem_layout(dt, S.BV, S.BT, False, st * nwg)  # (v, t) per (stage, warpgroup)
-        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, nwg)  # (v, k) B MN-major, per warpgroup
-        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, nwg)  # (v, t) B MN-major, per warpgroup
+        self.l_g = cute.make_layout((S.KD, 1, st))  # gk's row at the chunk's last token, fp32
+        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, nwg)  # (v, k): the checkpoint's store tile
+        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, nwg)  # (v, t): v_new's store tile
         self.tx_bytes = (
-            S.tile_bytes(dt, self.l_w) + S.tile_bytes(dt, self.l_kg) + nwg * S.tile_bytes(dt, self.l_u)
+            S.tile_bytes(dt, self.l_w)
+            + S.tile_bytes(dt, self.l_kg)
+            + nwg * S.tile_bytes(dt, self.l_u)
+            + S.KD * 4
         )
         if not with_struct:
             return
 
         @cute.struct
         class Storage:
-            mbar: cute.struct.MemRange[cutlass.Int64, st]
-            sG: cute.struct.MemRange[cutlass.Float32, S.KD]
+            mbar: cute.struct.MemRange[cutlass.Int64, st]  # full: the stage's loads landed
+            empty: cute.struct.MemRange[cutlass.Int64, st]
+            sG: cute.struct.MemRange[cutlass.Float32, S.KD]  # (S.Cta's; unused here)
+            sGd: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S.KD * st], 128]
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_w)], 1024]
             sKg: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_kg)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_u)], 1024]
@@ -136,6 +142,7 @@ class _B1:
             atom_w, tma_w = S.tma_load(S.row_view(w), this.l_w, (S.BT, S.KD))
             atom_kg, tma_kg = S.tma_load(S.col_view(kg), this.l_kg, (S.KD, S.BT))
             atom_u, tma_u = S.tma_load(S.col_view(u), this.l_u, (S.BV, S.BT))
+            atom_g, tma_g = S.tma_load(S.col_view(gk), this.l_g, (S.KD, 1))
             atom_h, tma_h = S.tma_store(S.state_view(h), this.l_h, (S.BV, S.KD))
             atom_v, tma_v = S.tma_store(S.col_view(v_new), this.l_v, (S.BV, S.BT))
             B = cute.size(u, mode=[0])
@@ -146,6 +153,8 @@ class _B1:
                 tma_kg,
                 atom_u,
                 tma_u,
+                atom_g,
+                tma_g,
                 atom_h,
                 tma_h,
                 atom_v,
@@ -153,8 +162,6 @@ class _B1:
                 S.col_view(gk),
                 S.fp32_state_view(h0),
                 S.fp32_state_view(ht),
-                S.mma_tt(this.dtype),
-                S.mma_kv(this.dtype),
             ).launch(
                 grid=(this.V // (S.BV * this.nwg), this.HV, B),
                 block=[S.THREADS * this.nwg, 1, 1],
@@ -171,6 +178,7 @@ class _B1:
 def _b1_kernel(cfg):
     import cutlass
     import cutlass.cute as cute
+    from cutlass.cute.nvgpu import warpgroup
 
     class K:
         @cute.kernel
@@ -182,6 +190,8 @@ def _b1_kernel(cfg):
             tma_kg,
             atom_u,
             tma_u,
+            atom_g,
+            tma_g,
             atom_h,
             tma_h,
             atom_v,
@@ -189,87 +199,104 @@ def _b1_kernel(cfg):
             mGk,
             mH0,
             mHt,
-            mma_tt: cute.TiledMma,
-            mma_kv: cute.TiledMma,
         ):
             nst, nwg = cfg.stages, cfg.nwg
             cfg._layouts()
             cta = S.Cta(cfg, mGk)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
-            hk, T, NT, st, mbar, sG = cta.hk, cta.T, cta.NT, cta.st, cta.mbar, cta.sG
+            hk, T, NT, st = cta.hk, cta.T, cta.NT, cta.st
+            full = cta.mbar
+            empty = st.empty.data_ptr()
             sW = S.smem_tensor(st.sW, cfg.l_w)
             sKg = S.smem_tensor(st.sKg, cfg.l_kg)
             sU = S.smem_tensor(st.sU, cfg.l_u)
-            sHall = S.smem_tensor(st.sH, cfg.l_h)
-            sVall = S.smem_tensor(st.sV, cfg.l_v)
-            sH = sHall[None, None, wg]
-            sV = sVall[None, None, wg]
+            sGd = st.sGd.get_tensor(cfg.l_g)
+            sH = S.smem_tensor(st.sH, cfg.l_h)[None, None, wg]
+            sV = S.smem_tensor(st.sV, cfg.l_v)[None, None, wg]
 
             tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.BT, S.KD), (None, 0, hv, b)))
             tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.KD, S.BT), (0, None, hk, b)))
-            loads = [(atom_w, tWg, tWs), (atom_kg, tKg, tKs)]
+            tGs, tGg = S.tma_part(atom_g, sGd, cute.local_tile(tma_g, (S.KD, 1), (0, None, hv, b)))
+            loads = [(atom_w, tWg, tWs), (atom_kg, tKg, tKs), (atom_g, tGg, tGs, "row")]
             for i in cutlass.range_constexpr(nwg):
                 tUs, tUg = S.tma_part(
                     atom_u, sU, cute.local_tile(tma_u, (S.BV, S.BT), (bv * nwg + i, None, hv, b))
                 )
                 loads.append((atom_u, tUg, tUs, nwg, i))
+            if tid == 0:
+                for i in cutlass.range_constexpr(nst):
+                    cute.arch.mbarrier_init(empty + i, 4 * nwg)  # one arrive per warp
+            S.prologue(full, nst, cfg.tx_bytes, loads, 0, 1, NT, tid, T)
+
             tHs, tHg = S.tma_part(atom_h, sH, cute.local_tile(tma_h, (S.BV, S.KD), (vt, 0, hv, None, b)))
             tVs, tVg = S.tma_part(atom_v, sV, cute.local_tile(tma_v, (S.BV, S.BT), (vt, None, hv, b)))
-            S.prologue(mbar, nst, cfg.tx_bytes, loads, 0, 1, NT, tid)
-
-            thr_tt = mma_tt.get_slice(wtid)
-            thr_kv = mma_kv.get_slice(wtid)
-            tAw = mma_tt.make_fragment_A(thr_tt.partition_A(sW))
-            tBh = mma_tt.make_fragment_B(thr_tt.partition_B(sH))
-            tAk = mma_kv.make_fragment_A(thr_kv.partition_A(sKg))
-            tBv = mma_kv.make_fragment_B(thr_kv.partition_B(sV))
-            cS = thr_kv.partition_C(cute.make_identity_tensor((S.KD, S.BV)))
-            cP = thr_tt.partition_C(cute.make_identity_tensor((S.BT, S.BV)))
-            acc = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
-            accP = cute.make_rmem_tensor(cP.shape, cutlass.Float32)
-            tSsH = thr_kv.partition_C(S.transposed(sH))
-            tPsV = thr_tt.partition_C(S.transposed(sV))
-            sU_tv = S.transposed(sU)
-
-            tSgHt = thr_kv.partition_C(cute.local_tile(mHt, (S.KD, S.BV), (0, vt, hv, b)))
-            gH0 = cute.local_tile(mH0, (S.KD, S.BV), (0, vt, hv, b))
+            # built in the kernel (wgmma with A from registers: `S.make_rs_mma`)
+            mma_p = S.make_rs_mma(cfg.dtype, True, S.BT)  # (v, t) over k
+            mma_s = S.make_rs_mma(cfg.dtype, False, S.KD)  # (v, k) over t
+            thr_p = mma_p.get_slice(wtid)
+            thr_s = mma_s.get_slice(wtid)
+            tBw = mma_p.make_fragment_B(thr_p.partition_B(sW))
+            tBk = mma_s.make_fragment_B(thr_s.partition_B(sKg))
+            cS = thr_s.partition_C(cute.make_identity_tensor((S.BV, S.KD)))
+            acc = cute.make_rmem_tensor(cS.shape, cutlass.Float32)  # h^T (v, k)
+            accP = cute.make_rmem_tensor(
+                thr_p.partition_C(cute.make_identity_tensor((S.BV, S.BT))).shape, cutlass.Float32
+            )  # (w h)^T (v, t)
+            tSsH = thr_s.partition_C(sH)
+            tPsV = thr_p.partition_C(sV)
+            gH0 = S.transposed(cute.local_tile(mH0, (S.KD, S.BV), (0, vt, hv, b)))
+            # (partitioned before the loop: the gemms set the MMA's ACCUMULATE field inside it)
+            tSgHt = thr_s.partition_C(S.transposed(cute.local_tile(mHt, (S.KD, S.BV), (0, vt, hv, b))))
             if cutlass.const_expr(cfg.has_h0):
-                cute.autovec_copy(thr_kv.partition_C(gH0), acc)
+                cute.autovec_copy(thr_s.partition_C(gH0), acc)
             else:
                 acc.fill(0.0)
+            bar = 1 + wg
 
             for c in cutlass.range(NT, unroll=1):
                 s = c % nst
-                phase = (c // nst) % 2
-                last = cutlass.min((c + 1) * S.BT, T) - 1
-                S.load_row_scale(sG, mGk[None, last, hv, b], tid)
-                S.frag_to_smem(acc, tSsH, cfg.dtype)
-                S.sync_smem_for_async()
-                if wtid == 0:
-                    S.store_chunk(atom_h, tHs, tHg, c)
-                cute.arch.mbarrier_wait(mbar + s, phase)
-                # v_new = u - w @ bf16(h)
-                cute.nvgpu.warpgroup.fence()
-                S.gemm(mma_tt, accP, tAw, tBh, s, None, False)
-                cute.nvgpu.warpgroup.commit_group()
-                S.scale_rows(acc, cS, sG, cutlass.Float32(1.0))  # h *= exp2(gd), under the wgmma
-                cute.nvgpu.warpgroup.wait_group(0)
-                uf = S.smem_to_frag_f32(thr_tt.partition_C(sU_tv[None, None, s * nwg + wg]), accP)
-                accP.store(uf.load() - accP.load())
-                S.frag_to_smem(accP, tPsV, cfg.dtype)
-                S.sync_smem_for_async()
-                if wtid == 0:
-                    S.store_chunk(atom_v, tVs, tVg, c)
-                # h = exp2(gd) * h + kg^T @ bf16(v_new)
-                cute.nvgpu.warpgroup.fence()
-                S.gemm(mma_kv, acc, tAk, tBv, s, None, True)
-                S.wgmma_wait()
+                hb = cute.make_rmem_tensor_like(acc, cfg.dtype)
+                hb.store(acc.load().to(cfg.dtype))
+                cute.arch.mbarrier_wait(full + s, (c // nst) % 2)
+                # (v_new)^T = u^T - bf16(h)^T @ w^T, A from registers
+                warpgroup.fence()
+                S.gemm(mma_p, accP, S.acc_as_a(hb), tBw, None, s, False)
+                warpgroup.commit_group()
+                # under it: h *= exp2(gd) (a column scale of h^T: the C fragment's (2, 2, 16)
+                # is (column pair, row pair, column block)), u into registers, and the last
+                # chunk's stores done reading sH / sV
+                for j in cutlass.range_constexpr(cute.size(acc) // 4):
+                    for c2 in cutlass.range_constexpr(2):
+                        i0 = c2 + 4 * j
+                        e = cute.arch.exp2(sGd[cS[i0][1], 0, s])
+                        acc[i0] = acc[i0] * e
+                        acc[i0 + 2] = acc[i0 + 2] * e
+                ub = cute.make_rmem_tensor_like(accP, cfg.dtype)
+                cute.autovec_copy(thr_p.partition_C(sU[None, None, s * nwg + wg]), ub)
                 if wtid == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_threads()
-                if tid < 32:  # warp 0 whole: see S.issue_chunk
+                cute.arch.barrier(barrier_id=bar, number_of_threads=S.THREADS)
+                warpgroup.wait_group(0)
+                accP.store(ub.load().to(cutlass.Float32) - accP.load())
+                vb = cute.make_rmem_tensor_like(accP, cfg.dtype)
+                vb.store(accP.load().to(cfg.dtype))
+                # h = exp2(gd) h + kg^T bf16(v_new), as h^T += bf16(v_new)^T @ kg
+                warpgroup.fence()
+                S.gemm(mma_s, acc, S.acc_as_a(vb), tBk, None, s, True)
+                warpgroup.commit_group()
+                cute.autovec_copy(hb, tSsH)  # the checkpoint, under the update
+                warpgroup.wait_group(0)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(empty + s)
+                cute.autovec_copy(vb, tPsV)
+                S.sync_smem_for_async_wg(bar)
+                if wtid == 0:
+                    S.store_chunk(atom_h, tHs, tHg, c)
+                    S.store_chunk(atom_v, tVs, tVg, c)
+                if tid < 32:  # warp 0 whole (S.issue_chunk): refill once every warp is done
                     if c + nst < NT:
-                        S.issue_chunk(mbar, s, cfg.tx_bytes, loads, c + nst)
+                        cute.arch.mbarrier_wait(empty + s, (c // nst) % 2)
+                        S.issue_chunk(full, s, cfg.tx_bytes, loads, c + nst, T)
 
             if cutlass.const_expr(cfg.store_ht):
                 cute.autovec_copy(acc, tSgHt)
