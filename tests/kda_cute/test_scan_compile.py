@@ -156,9 +156,9 @@ def test_chain_offers_the_three_scans(monkeypatch):
     assert r.startswith("qg not computed by fwd_intra")
 
 
-@pytest.mark.parametrize("stage, wide", [("b1", (3, 2)), ("fwd", (1, 2))])
+@pytest.mark.parametrize("stage, wide", [("b1", (2, 2)), ("fwd", (1, 2))])
 def test_variant_by_grid(stage, wide):
-    """The wide build (two warpgroups; b1 3 stages, fwd 1) once the grid has WIDE_FROM_TILES V
+    """The wide build (two warpgroups; b1 2 stages, fwd 1) once the grid has WIDE_FROM_TILES V
     tiles, else 2 stages x 1 warpgroup; two warpgroups need V % 128 == 0."""
     mod = {"b1": b1, "fwd": fwd}[stage]
     assert mod.variant(16, 16, 256) == wide  # the reference shape: 1024 V tiles

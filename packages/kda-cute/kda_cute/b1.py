@@ -75,7 +75,7 @@ def wide_grid(B: int, HV: int, V: int, from_tiles: int) -> bool:
 
 def variant(B: int, HV: int, V: int) -> tuple[int, int]:
     """(stages, warpgroups) for this grid (see WIDE_FROM_TILES)."""
-    return (3, 2) if wide_grid(B, HV, V, WIDE_FROM_TILES) else (2, 1)
+    return (2, 2) if wide_grid(B, HV, V, WIDE_FROM_TILES) else (2, 1)
 
 # 64-wide V tiles (B * HV * V/64) below which fla runs. None measured yet: at 128 tiles
 # (B2 T4096 H16 V256) ours is already 1.59x faster than fla (bench/results/scans_2026-11-30.md).
