@@ -269,6 +269,21 @@ def time_shape(B, T, H, HV, V, variants, dtype=torch.bfloat16, only=None):
     return rows
 
 
+def tune_fla_at_ref():
+    """Call fla's scans once at the reference shape, with and without a state, before anything
+    else: its autotune key has no B or T, so the first call of a process (here the T = 64 check)
+    would pick the configs the reference-shape timing then runs with (2026-12-01: fla's fwd_h
+    2.60 ms in such a timing, 1.84 when tuned at the reference shape)."""
+    for h0 in (True, False):
+        d = make_inputs(16, 8192, 16, 16, 256, h0=h0)
+        for stage, f_fn in (("b1", fla_b1), ("fwd", fla_fwd), ("dhu", fla_dhu)):
+            if stage in _stages(None):
+                f_fn(d)
+        del d
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def print_table(rows, variants):
     print()
     hdr = " | ".join(f"ours S{v[0]}xWG{v[1]} ms" for v in variants)
@@ -307,6 +322,8 @@ def main():
         m.GRID_FLOOR = 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     ok = True
+    if not a.no_time:
+        tune_fla_at_ref()
     # phase 1: correctness of the default build per grid (`variant()`: at the reference shape fwd
     # and b1 run two warpgroups), then timing of the one-warpgroup builds
     if not a.no_check:
@@ -330,7 +347,7 @@ def main():
         for name, B, T, H, HV, V, dt, h0 in SHAPES:  # fp16 too: the wide builds run fp16 at large grids
             for var in ((2, 2), (1, 2)):
                 ok2 &= check_shape(name, B, T, H, HV, V, dt, h0, var=var)
-            # b1's reference-shape build (3 stages fit only b1's smem: 192 KB)
+            # b1's three-stage build (it fits only b1's smem: 194 KB)
             ok2 &= check_shape(name, B, T, H, HV, V, dt, h0, var=(3, 2), only={"b1"})
         print("ALL PASS (2 warpgroups)" if ok2 else "SOME FAIL (2 warpgroups)", flush=True)
     if not a.no_time:

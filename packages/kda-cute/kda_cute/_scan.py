@@ -1,6 +1,9 @@
 """Shared structure of the three sm_90 state-scan kernels (b1 = fwd_h, fwd = fwd_h + fwd_o, dhu).
 
-All three scans have the same skeleton, so it lives here once:
+fwd and dhu share the skeleton below. b1 keeps the TMA ring, the views and the tile shapes but
+holds the state transposed, with both token GEMMs taking A from registers (`make_rs_mma`,
+`acc_as_a`; measured 2% faster than this skeleton at the reference shape and bitwise equal:
+see `kda_cute.b1`); fwd and dhu have not been moved to it yet. The skeleton:
 
   * one warpgroup (128 threads) per (b, hv, 64-wide V tile); a CTA holds `nwg` of them
     (grid (V / (64 nwg), HV, B)). nwg = 1 is the default; nwg = 2 (V % 128 == 0) puts two V
@@ -48,10 +51,11 @@ Three CTA barriers per chunk; the only waits are the serial dependence and, with
 the refill.
 
 Shared memory per CTA (bf16, KB; stages x operand tiles + per-warpgroup buffers):
-    b1   nwg1: 40 S + 24        nwg2: 64 S + 48       (w, kg 16 each; u 8 per V tile)
+    b1   nwg1: 40.5 S + 24      nwg2: 64.5 S + 48     (w, kg 16 each; u 8 per V tile; gd row 0.5)
     fwd  nwg1: 64 S + 32        nwg2: 88 S + 64       (+ qg 16, Aqk 8; o buffer 8)
     dhu  nwg1: 64 S + 24        nwg2: 80 S + 48       (kg, qg, w 16 each; do, dv 8 per V tile)
-Registers (ptxas via the DSL, sm_90a, no local memory): 168-212 per thread in every variant.
+Registers (ptxas via the DSL, sm_90a, no local memory): fwd / dhu 168-212 per thread in every
+variant; b1 227 (one warpgroup) / 240 (two: one CTA per SM by registers as well as smem).
 """
 
 from __future__ import annotations
@@ -72,10 +76,10 @@ _MN = warpgroup.OperandMajorMode.MN
 
 # ----------------------------------------------------------------------------------------- host
 def pick_warpgroups(V: int, requested) -> int:
-    """Warpgroups per CTA (each owns one 64-wide V tile); n needs V % (64 n) == 0, else 1."""
+    """Warpgroups per CTA (each owns one 64-wide V tile); 2 needs V % 128 == 0, else 1."""
     n = 1 if requested is None else int(requested)
-    if n not in (1, 2, 4):
-        raise ValueError(f"warpgroups must be 1, 2 or 4 (got {requested})")
+    if n not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2 (got {requested})")
     return n if V % (BV * n) == 0 else 1
 
 
@@ -303,8 +307,11 @@ def store_chunk(atom, ts, tg, n):
 
 
 @cute.jit
-def prologue(mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads, first, step, NT, tid, T=None):
-    """Init one mbarrier per stage and put the first chunks in flight (chunk order first, first+step...)."""
+def prologue(
+    mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads, first, step, NT, tid, T=None
+):
+    """Init one mbarrier per stage and put the first chunks in flight (chunk order first, first+step...);
+    T: the sequence length, for a "row" load (see issue_chunk)."""
     if tid == 0:
         for i in cutlass.range_constexpr(nstages):
             cute.arch.mbarrier_init(mbar + i, 1)

@@ -10,32 +10,55 @@ valid row):
 
 exactly where fla casts (h and v_new to the input dtype before their dots, fp32 accumulation).
 
-CTA decomposition / layouts: see `kda_cute._scan` (one warpgroup per (b, hv, 64-wide V tile),
-the state as a wgmma accumulator, the bf16 state in smem as the B operand of `w @ h` and the
-TMA-store source of the checkpoint; w / kg / u by TMA on an mbarrier ring). w is the K-major
-A of `w @ h`; kg arrives feature-major (K, T) so it is the MN-major A of `kg^T @ v_new`
-(no transpose pass); u arrives (V, T), the same smem layout as the v_new buffer, read in the
-accumulator layout of `w @ h`.
+CTA decomposition: one warpgroup per (b, hv, 64-wide V tile), `nwg` of them per CTA sharing the
+w / kg / gd tiles (grid (V / (64 nwg), HV, B)); w, kg, u and gk's last row arrive by TMA in a
+`stages`-deep ring: a `full` mbarrier per stage (warp 0 issues the loads), an `empty` mbarrier
+per stage with one arrive per consumer warp, which warp 0 waits on before it refills the stage.
 
-Measured on the H200 (2026-12-01, third session; logs/ab_b1_variants_2026-12-01e,
-check_scans_b1_s3wg2_2026-12-01f): at the reference shape the default build is now 3 stages x 2
-warpgroups (`variant()`): 1.485-1.491 ms vs fla's fwd_h 1.841-1.845 without an initial state
-(1.24x; stage benchmark 1.527 vs 1.915, 1.25x), outputs bitwise equal to the 2 x 1 build's;
-check_scans ALL PASS (5 shapes default, 3 small shapes for S3xWG2 with h0, GVA tail, T = 64).
-Still short of the issue's 1.3x (1.42 ms): b1 moves 5.39 GB, so 1.42 ms is 3.8 TB/s of a
-measured 4.0 TB/s copy bandwidth. Earlier numbers below are for the 2 x 1 build.
-Measured on the H200 (2026-11-30): correctness as in `kda_cute._scan`'s docstring.
-Speed at B16 T8192 H16 V256 bf16, same run: 1.615 ms (2 stages, one V tile per CTA) vs fla's
-fwd_h 1.955 ms = 1.21x (target 1.3x / 1.36 ms: NOT met); two V tiles per CTA 1.641, one stage
-1.805. B2 T4096: 0.252 vs 0.401 ms (1.59x). Re-timed 2026-12-01 (bench/results/scans_2026-12-01.md):
-1.569 ms vs 1.880 (1.20x), two V tiles per CTA 1.551 vs 1.903 (1.23x): still short of 1.3x.
+Layouts: unlike fwd and dhu (the skeleton in `kda_cute._scan`, state [k, v] with both token
+GEMMs reading smem), b1 holds the TRANSPOSED state h^T [64 v, 128 k] fp32 as the accumulator of an
+m64n128 wgmma, so both per-chunk GEMMs take their A operand from registers:
 
-Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
-chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
-it from the smem copy the checkpoint store needs anyway); a producer warp + empty barriers
-(unneeded: the consumers are the only smem readers and a CTA barrier already orders them
-before the refill); a 128-wide V tile in one warpgroup (128 fp32 state registers per thread
-plus the token accumulators would spill).
+    P^T      = bf16(h^T) @ w^T                      m64n64k16 x 8; B = w (t, k) K-major, smem
+    v_new^T  = u^T - P^T                            in P's accumulator layout; u from (v, t) smem
+    h^T     <- exp2(gd)[k] * h^T + bf16(v_new^T) @ kg   m64n128k16 x 4; B = kg (k, t) MN-major
+
+An m64nN accumulator fragment holds, per 16 columns, exactly an m64k16 A fragment
+(`S.acc_as_a`), so each GEMM's output feeds the next with no smem round trip and no barrier: the
+serial path of a chunk is convert, wgmma, wait, subtract and convert, wgmma, wait. The
+checkpoint's bf16 copy is written to smem under the second GEMM (it is the first GEMM's A, which
+must not be read while that GEMM runs), v_new's after it; both leave by TMA store (v-major tiles:
+fla's h layout [.., K, V] and v_new's [.., T, HV, V]), and thread 0 waits for their smem reads
+under the next chunk's first GEMM, then a warpgroup named barrier frees the buffers. exp2(gd) is
+a column scale of h^T: gk's row at the chunk's last token comes as a (128, 1) fp32 TMA box with
+the stage, 32 exp2 per thread, under the first GEMM. Per chunk and warpgroup the GEMMs read 32 KB
+of smem (w, kg) where the smem-operand design read 64 (h and v_new as B operands too, kg once per
+64-row atom), and that design's three CTA barriers per chunk are gone.
+
+Measured on the H200 (2026-12-01, fourth session; bench/results/logs/ab_b1_rs_2026-12-01{j,k},
+check_scans_b1_rs_2026-12-01j, gpu_tests_b1_rs_2026-12-01k): outputs bitwise equal to the
+smem-operand kernel's at the reference shape and at B2 T4096 in every variant timed;
+check_scans ALL PASS (5 shapes, and S1/S2/S3 x WG2 at 4 incl. fp16, GVA tail, T = 64); the GPU
+chain tests (gva, one_chunk, ragged_T, ref), the saved-activation test and the scan tests pass.
+Reference shape, no initial state, same runs: 1.519 / 1.524 ms (2 stages x 2 warpgroups) against
+the smem-operand kernel's 1.550 / 1.550 and fla's fwd_h 1.898 / 1.924 (1.25x / 1.26x; 1.22-1.24x
+before). fla ran 3-4% slower than in the previous session (1.84), likely on autotune choices
+made at a smaller shape (bench/NOTES.md); against 1.84 this is 1.21-1.25x. The issue's 1.3x
+(<= 1.42 ms at fla's 1.84) is NOT met: 1.52 ms moves the scan's 5.39 GB at 3.55 TB/s.
+
+Falsified: four warpgroups per CTA (the whole V = 256 of a (b, hv) in one CTA, 2 stages, 224 KB,
+ptxas at 128 registers; smem-operand kernel): 1.587 vs 1.529 ms for 3 x 2, and at B2 T4096 4.45
+us per chunk against 2.55 with two warpgroups (lock-stepped warpgroups lengthen every chunk). A
+producer warp beside the consumers (288 threads): ptxas sizes registers for whole warpgroups and
+capped them at 168, spilling 464 B, so warp 0 refills after the empty barrier instead. Three
+stages x two warpgroups in this kernel: 1.597-1.635 ms against 1.478-1.524 for two stages in
+three runs (the smem-operand kernel preferred three; not understood).
+
+Earlier, the smem-operand kernel (2026-11-30 / 12-01): 2 x 1 1.615 vs fla 1.955 (1.21x), two V
+tiles per CTA 1.551 vs 1.903, 3 x 2 1.485 vs 1.841 (1.24x); at B2 T4096 0.252 -> 0.138 ms.
+Alternatives considered then: mma.sync with ldmatrix (the state re-read through ldmatrix and
+B-fragment shuffles every chunk), a 128-wide V tile in one warpgroup (128 fp32 state registers
+per thread plus the token accumulators would spill).
 """
 
 import torch
@@ -58,13 +81,13 @@ class _LazyScan:
 
 
 S = _LazyScan()
-# The compiled variant, by grid (H200, 2026-12-01, one run with fla, no initial state, 3 calls per
-# sample, bench/results/logs/ab_b1_variants_2026-12-01e_H200.log): at B16 T8192 H16 V256 (1024 V
-# tiles) 3 stages x 2 warpgroups 1.485 ms against 1.565 (2 x 1), 1.513 (2 x 2), 1.798 (3 x 1),
-# 1.808 (4 x 1); fla 1.841. Two warpgroups share each w / kg tile (half the smem fills and L2
-# reads), and at one CTA per SM (192 KB) the third stage fits. At B2 T4096 (128 tiles) 2 x 1
-# 0.138 ms against 0.163-0.173 with two warpgroups (half the SMs would idle). Between the two
-# grids not measured: two warpgroups from 512 tiles up, as fwd.
+# The compiled variant, by grid (H200, 2026-12-01, fourth session, no initial state, 3 calls per
+# sample, bench/results/logs/ab_b1_sweep_2026-12-01l_H200.log, one run): at B16 T8192 H16 V256
+# (1024 V tiles) 2 stages x 2 warpgroups 1.478 ms against 1.535 (3 x 1), 1.547 (4 x 1), 1.597
+# (3 x 2), 1.647 (2 x 1). Two warpgroups share each w / kg tile (half the smem fills and L2
+# reads); at 240 registers a two-warpgroup CTA is alone on its SM either way. At B2 T4096 (128
+# tiles) 2 x 1 0.145 ms, 4 x 1 0.142, 3 x 2 0.172 (rounds spread 0.12-0.18: host-bound). Between
+# the two grids not measured: two warpgroups from 512 tiles up, as fwd.
 WIDE_FROM_TILES = 512
 
 
