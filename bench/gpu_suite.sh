@@ -3,8 +3,8 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench save savecache
-#                                     (default: all but fp16)
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench ncu save
+#                                     savecache (default: all but fp16, ncu)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
 #   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash bench/gpu_suite.sh scans bench) &
@@ -60,6 +60,14 @@ for s in $steps; do
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
+    ncu)  # Nsight Compute: NCU_STAGE's CuTe kernel beside fla's (default b1 without a state):
+          # the details page and the per-instruction SASS table (stall samples) come back
+      step ncu ${NCU_LIMIT:-300} ncu --clock-control none -k "regex:${NCU_K:-kda_cute_b1|fwd_kernel_h}" \
+        --set full -f -o "$OUT/prof" python bench/ncu_profile.py --stage "${NCU_STAGE:-b1}" --fla --no-h0
+      ncu -i "$OUT/prof.ncu-rep" --page details >"$OUT/ncu_details.txt" 2>&1
+      ncu -i "$OUT/prof.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_sass.csv" 2>&1
+      rm -f "$OUT/prof.ncu-rep"  # ~20 MB: over what comes back
+      ls -la "$OUT"/ncu_* | tee -a "$LOG" ;;
     save)  # fla's autotune choices and compiled kernels: copy them to .dev-b/ and .devcache/ here
       # (setup.sh's kda_save_autotune is a shell function: not visible in this script's shell,
       # which is how the 2026-12-01 fp16 run lost its autotune results; the same, inline)

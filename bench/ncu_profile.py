@@ -5,7 +5,8 @@
 
 Every kernel is launched exactly once (its first launch includes the compile on the host, which
 ncu does not count), so each ncu result is one kernel. `--stage` picks a subset; `--fla` also
-launches fla's kernels for the same stages (filter them in with ncu's -k).
+launches fla's kernels for the same stages (filter them in with ncu's -k); `--no-h0` drops the
+scans' initial and final state. `bash bench/gpu_suite.sh ncu` runs it under ncu for b1 and fla.
 """
 
 import argparse
@@ -21,6 +22,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", action="append", choices=("intra", "intra_bf16", "b1", "dhu", "fwd"))
     ap.add_argument("--fla", action="store_true")
+    ap.add_argument("--no-h0", action="store_true", help="scans: no initial / final state")
     a = ap.parse_args()
     stages = a.stage or ["intra", "intra_bf16", "b1", "dhu", "fwd"]
     if any(s.startswith("intra") for s in stages):
@@ -34,7 +36,7 @@ def main():
         del args
         torch.cuda.synchronize()
     if any(s in stages for s in ("b1", "dhu", "fwd")):
-        d = cs.make_inputs(B, T, H, HV, 256)
+        d = cs.make_inputs(B, T, H, HV, 256, h0=not a.no_h0)
         for st in ("b1", "dhu", "fwd"):
             if st in stages:
                 getattr(cs, f"ours_{st}")(d)
