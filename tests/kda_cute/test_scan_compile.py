@@ -236,3 +236,36 @@ def test_direct_calls_refuse_what_they_cannot_compute(bad, needle):
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"kda_cute.{name}: unsupported call: .*{needle}"):
             call()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_acc_as_a_is_the_register_a_fragment(dtype):
+    """b1's chained GEMMs rest on `_scan.acc_as_a`: an m64nN accumulator fragment, viewed as the
+    register A operand of the next wgmma (K = N), must hold, thread by thread, exactly the
+    (row, column) coordinates that wgmma's A partition expects. Checked on identity tensors for
+    every thread of the warpgroup, both directions b1 uses (the state 64 x 128 into P^T's K = 128;
+    P^T 64 x 64 into the update's K = 64)."""
+    import cutlass
+    import cutlass.cute as cute
+    from kda_cute import _scan as S
+
+    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[dtype]
+    seen = []
+
+    @cute.jit
+    def trace():
+        for ncols, n_dst in ((128, 64), (64, 128)):
+            src = S.make_rs_mma(dt, False, ncols)
+            dst = S.make_rs_mma(dt, True, n_dst)
+            ident = cute.make_identity_tensor((64, ncols))
+            for t in cutlass.range_constexpr(S.THREADS):
+                a = dst.get_slice(t).partition_A(ident)
+                v = S.acc_as_a(src.get_slice(t).partition_C(ident))
+                seen.append((ncols, t, str(a.iterator), str(v.iterator), str(a.layout), str(v.layout)))
+
+    trace()
+    assert len(seen) == 2 * S.THREADS
+    for ncols, t, a_at, v_at, a_lay, v_lay in seen:
+        assert (a_at, a_lay) == (v_at, v_lay), (ncols, t, a_at, v_at, a_lay, v_lay)
+    # and the view really regroups: the raw accumulator layout is not the A layout
+    assert seen[0][4].count("16@1") == 1
