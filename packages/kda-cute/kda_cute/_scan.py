@@ -300,6 +300,36 @@ def issue_chunk(mbar, s, nbytes: int, loads, n, T=None):
         cute.copy(atom, tg[None, idx], ts[None, slot], tma_bar_ptr=mbar + s)
 
 
+@cute.jit
+def decay_cols(acc: cute.Tensor, coords: cute.Tensor, s_gd: cute.Tensor, s):
+    """acc[:, k] *= exp2(gd[k]) for a transposed state h^T (v, k), the m64n128 accumulator of the
+    register-A scans (b1): its C fragment's (2, 2, 16) is (column pair, row pair, column
+    block), so one exp2 per column serves two elements. s_gd: the (128, 1, stages) fp32 rows of
+    gk at each stage's last token; coords: the identity partition of acc."""
+    for j in cutlass.range_constexpr(cute.size(acc) // 4):
+        for c2 in cutlass.range_constexpr(2):
+            i0 = c2 + 4 * j
+            e = cute.arch.exp2(s_gd[coords[i0][1], 0, s])
+            acc[i0] = acc[i0] * e
+            acc[i0 + 2] = acc[i0 + 2] * e
+
+
+def release(empty, s):
+    """(every consumer warp, once its reads of stage s are done) one arrive on s's empty barrier."""
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive(empty + s)
+
+
+@cute.jit
+def refill(full, empty, s, c, nst: cutlass.Constexpr, NT, nbytes: cutlass.Constexpr, loads, T, tid):
+    """(warp 0 whole) once every consumer warp released chunk c's stage s, load chunk c + nst
+    into it (empty barriers: one arrive per warp, see `release`)."""
+    if tid < 32:
+        if c + nst < NT:
+            cute.arch.mbarrier_wait(empty + s, (c // nst) % 2)
+            issue_chunk(full, s, nbytes, loads, c + nst, T)
+
+
 def store_chunk(atom, ts, tg, n):
     """(one thread) TMA-store an smem tile to chunk n and commit the bulk group."""
     cute.copy(atom, ts, tg[None, n])

@@ -285,15 +285,9 @@ def _b1_kernel(cfg):
                 warpgroup.fence()
                 S.gemm(mma_p, accP, S.acc_as_a(hb), tBw, None, s, False)
                 warpgroup.commit_group()
-                # under it: h *= exp2(gd) (a column scale of h^T: the C fragment's (2, 2, 16)
-                # is (column pair, row pair, column block)), u into registers, and the last
-                # chunk's stores done reading sH / sV
-                for j in cutlass.range_constexpr(cute.size(acc) // 4):
-                    for c2 in cutlass.range_constexpr(2):
-                        i0 = c2 + 4 * j
-                        e = cute.arch.exp2(sGd[cS[i0][1], 0, s])
-                        acc[i0] = acc[i0] * e
-                        acc[i0 + 2] = acc[i0 + 2] * e
+                # under it: h *= exp2(gd) (a column scale of h^T), u into registers, and the
+                # last chunk's stores done reading sH / sV
+                S.decay_cols(acc, cS, sGd, s)
                 ub = cute.make_rmem_tensor_like(accP, cfg.dtype)
                 cute.autovec_copy(thr_p.partition_C(sU[None, None, s * nwg + wg]), ub)
                 if wtid == 0:
@@ -309,17 +303,13 @@ def _b1_kernel(cfg):
                 warpgroup.commit_group()
                 cute.autovec_copy(hb, tSsH)  # the checkpoint, under the update
                 warpgroup.wait_group(0)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(empty + s)
+                S.release(empty, s)
                 cute.autovec_copy(vb, tPsV)
                 S.sync_smem_for_async_wg(bar)
                 if wtid == 0:
                     S.store_chunk(atom_h, tHs, tHg, c)
                     S.store_chunk(atom_v, tVs, tVg, c)
-                if tid < 32:  # warp 0 whole (S.issue_chunk): refill once every warp is done
-                    if c + nst < NT:
-                        cute.arch.mbarrier_wait(empty + s, (c // nst) % 2)
-                        S.issue_chunk(full, s, cfg.tx_bytes, loads, c + nst, T)
+                S.refill(full, empty, s, c, nst, NT, cfg.tx_bytes, loads, T, tid)
 
             if cutlass.const_expr(cfg.store_ht):
                 cute.autovec_copy(acc, tSgHt)
