@@ -3,8 +3,8 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench ncu save
-#                                     savecache (default: all but fp16, ncu)
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench bandwidth ncu
+#                                     save savecache (default: all but fp16, bandwidth, ncu)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
 #   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash bench/gpu_suite.sh scans bench) &
@@ -60,6 +60,8 @@ for s in $steps; do
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
+    bandwidth)  # DRAM bandwidth by read / write mix (~20 s): the ceiling a memory-bound stage meets
+      step bandwidth 120 python bench/bandwidth.py ;;
     ncu)  # Nsight Compute: NCU_STAGE's CuTe kernel beside fla's (default b1 without a state):
           # the details page and the per-instruction SASS table (stall samples) come back
       step ncu ${NCU_LIMIT:-300} ncu --clock-control none -k "regex:${NCU_K:-kda_cute_b1|fwd_kernel_h}" \

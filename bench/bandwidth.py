@@ -1,0 +1,67 @@
+"""DRAM bandwidth of this GPU by read / write mix, to judge a memory-bound stage against the
+right ceiling (CUDA events, median of many, 2 GiB operands: far over L2).
+
+    python bench/bandwidth.py
+
+Why: b1 writes 3.22 GB and reads 2.15 GB per call at the reference shape (60% writes). At
+1.52 ms that is 3.53 TB/s in all but already 2.12 TB/s of writes, more than a 1:1 copy writes
+at its 4.0 TB/s (2.0). If writes have a lower ceiling than reads, b1's floor is set by its
+writes, not by 5.39 GB / 4.0 TB/s; this measures each mix so the question has a number.
+
+Each row counts the DRAM bytes the kernel must move (reads + writes) over its median time:
+    read       a.sum()                          all reads
+    write      c.fill_(1)                       all writes
+    copy 1:1   c.copy_(a)
+    add 2:1    torch.add(a, b, out=c)           two reads per write
+    bcast 1:2  c2.copy_(a.expand(2, ...))       one read per two writes (the second read of a
+                                                broadcast element is expected to hit L2)
+"""
+
+import statistics
+
+import torch
+
+GIB = 1 << 30
+
+
+def median_ms(fn, reps: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    n = 2 * GIB // 2  # bf16 elements of one 2 GiB operand
+    a = torch.randn(n, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    c = torch.empty_like(a)
+    c2 = torch.empty((2, n), device="cuda", dtype=torch.bfloat16)
+    nb = n * 2
+    rows = [
+        ("read", lambda: a.sum(dtype=torch.float32), nb, 0),
+        ("write", lambda: c.fill_(1), 0, nb),
+        ("copy 1:1", lambda: c.copy_(a), nb, nb),
+        ("add 2:1", lambda: torch.add(a, b, out=c), 2 * nb, nb),
+        ("bcast 1:2", lambda: c2.copy_(a.expand(2, n)), nb, 2 * nb),
+    ]
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    print("| mix | ms | reads GB | writes GB | TB/s | write TB/s |")
+    print("|---|---|---|---|---|---|")
+    for name, fn, r, w in rows:
+        ms = median_ms(fn)
+        tb = (r + w) / ms / 1e9
+        print(f"| {name} | {ms:.3f} | {r / 1e9:.2f} | {w / 1e9:.2f} | {tb:.2f} | {w / ms / 1e9:.2f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
