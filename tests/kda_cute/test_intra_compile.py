@@ -350,7 +350,7 @@ class _Program:
     @staticmethod
     def parse(stmt):
         pred = None
-        m = re.match(r"^@(!?)(%\w+)\s+(.*)$", stmt)
+        m = re.match(r"^@(!?)(%?\w+)\s+(.*)$", stmt)
         if m:
             pred = (m.group(1) == "!", m.group(2))
             stmt = m.group(3)
@@ -386,6 +386,7 @@ class _CTA:
         self.params = params  # (param name, byte offset) -> int
         self.ctaid = ctaid
         self.ntid = ntid
+        self.symbols = {}  # PTX names that stand for a value (a subclass's kernel-param addresses)
 
     # ---- memory
     def mem(self, space):
@@ -523,6 +524,8 @@ class _CTA:
                 return int(a.rstrip("U"), 16)
             if a == "__dynamic_shmem__0":
                 return 0
+            if a in self.symbols:
+                return self.symbols[a]
             return int(a.rstrip("U"))
 
         def addr(a):
@@ -591,6 +594,8 @@ class _CTA:
                         R[r] = (v >> (w * i)) & ((1 << w) - 1)
                 else:
                     R[args[0]] = val(a1)
+            elif op == "not.pred":
+                R[args[0]] = not R[args[1]]
             elif base == "cvta":
                 R[args[0]] = val(args[1])
             elif op == "fma.rn.f32":
@@ -733,4 +738,9 @@ class _CTA:
                 for r, v in zip(d, res, strict=True):
                     R[r] = v
             else:
-                raise NotImplementedError(f"{op} {args}")
+                yield from self.other(op, parts, args, R, val, addr, tid)
+
+    def other(self, op, parts, args, R, val, addr, tid):
+        """Opcodes beyond intra's (a subclass's hook; a generator so it may yield collectives)."""
+        raise NotImplementedError(f"{op} {args}")
+        yield

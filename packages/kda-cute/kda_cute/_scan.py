@@ -375,10 +375,11 @@ def run_cached(cache, cfg, key, args, dyn):
 
 
 def compile_only(cfg, args, dyn):
-    """Trace + compile a stage for its args without launching (CPU / CI: CUTE_DSL_ARCH=sm_90a)."""
+    """Trace + compile a stage for its args without launching (CPU / CI: CUTE_DSL_ARCH=sm_90a);
+    the PTX stays on the result (`__ptx__`) for the tests that read it."""
     import cuda.bindings.driver as cuda
 
     from ._common.cache import cute_view
 
     views = [cute_view(t, d) for t, d in zip(args, dyn, strict=True)]
-    return cute.compile(cfg.compile_fn(), *views, cuda.CUstream(0))
+    return cute.compile(cfg.compile_fn(), *views, cuda.CUstream(0), options="--keep-ptx")
