@@ -315,18 +315,8 @@ def _bar_patch(prog: _ScanProgram):
     return prog
 
 
-def _emulate_b1(kg, w, u, gk, stages, nwg, mod=b1):
-    """Compile b1 for these CPU tensors (sm_90a), run its PTX on every CTA, return (h, v_new)."""
-    B, T, HV, V = u.shape
-    H, K = kg.shape[2], kg.shape[3]
-    NT = (T + 63) // 64
-    text = mod.compile_for(kg, w, u, gk, None, False, stages=stages, warpgroups=nwg).__ptx__
-    assert text, "no PTX on the compiled object"
-    prog = _bar_patch(_ScanProgram(text))
-    h = torch.full((B, NT, HV, K, V), float("nan"), dtype=u.dtype)
-    v_new = torch.full_like(u, float("nan"))
-    dummy = torch.zeros(1, 1, 128, 64)
-    tensors = [kg, w, u, gk, dummy, h, v_new, dummy]
+def _gmem(tensors):
+    """The tensors laid out in one emulated global memory: (bytearray, base address of each)."""
     gmem = bytearray(4096 + sum((t.numel() * t.element_size() + 4095) // 4096 * 4096 for t in tensors))
     bases, off = [], 4096
     for t in tensors:
@@ -334,37 +324,97 @@ def _emulate_b1(kg, w, u, gk, stages, nwg, mod=b1):
         bases.append(off)
         gmem[off:off + nb] = t.contiguous().view(torch.uint8).numpy().tobytes()
         off += (nb + 4095) // 4096 * 4096
-    bkg, bw, bu, bg, bd, bh, bv, _ = bases
-    e = u.element_size()
-    P = lambda i: PARAM_BASE + 0x1000 * i  # noqa: E731
-    ST4 = (True, False, True, False)  # (feature, T, heads, B)
-    tmas = {
-        P(0): _Tma(bw, (K, T, HV, B), (e, HV * K * e, K * e, T * HV * K * e), (64, 64, 1, 1), e, 128, ST4),
-        P(2): _Tma(bkg, (K, T, H, B), (e, H * K * e, K * e, T * H * K * e), (64, 64, 1, 1), e, 128, ST4),
-        P(4): _Tma(bu, (V, T, HV, B), (e, HV * V * e, V * e, T * HV * V * e), (64, 64, 1, 1), e, 128, ST4),
-        P(6): _Tma(bg, (K, T, HV, B), (4, HV * K * 4, K * 4, T * HV * K * 4), (128, 1, 1, 1), 4, 0, ST4),
-        P(8): _Tma(bh, (V, K, HV, NT, B), (e, V * e, K * V * e, HV * K * V * e, NT * HV * K * V * e),
-                     (64, 128, 1, 1, 1), e, 128, (True, True, True, False, False)),
-        P(10): _Tma(bv, (V, T, HV, B), (e, HV * V * e, V * e, T * HV * V * e), (64, 64, 1, 1), e, 128, ST4),
-    }
+    return gmem, bases
+
+
+def _readback(gmem, t, base):
+    raw = bytearray(gmem[base:base + t.numel() * t.element_size()])
+    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape).clone()
+
+
+ST4 = (True, False, True, False)  # static extents of a (feature, T, heads, B) view
+
+
+def _tok(base, t, box_inner, swizzle=128, rows=64):
+    """The tensor map of a [B, T, heads, X] tensor seen as (X, T, heads, B), box (inner, rows)."""
+    B, T, Hh, X = t.shape
+    e = t.element_size()
+    return _Tma(base, (X, T, Hh, B), (e, Hh * X * e, X * e, T * Hh * X * e), (box_inner, rows, 1, 1), e,
+                swizzle, ST4)
+
+
+def _run(prog, gmem, params, tmas, grid, ntid):
+    for bz in range(grid[2]):
+        for hy in range(grid[1]):
+            for bx in range(grid[0]):
+                _ScanCTA(prog, gmem, params, (bx, hy, bz), ntid, tmas).run()
+
+
+def _state_params(prog, first, gk_base, T, B, HV, K, dummy_base):
+    """The scans' tensor params after their tensor maps: mG (pointer, T and B as int32, B's
+    stride), then h0 / ht (pointers to a dummy: no state in these tests)."""
     names = [n for n, _ in prog.params]
-    params = {}
-    # mGk (param 12): pointer, T and B (int32 each), B's stride; mH0 / mHt: a pointer to the dummy
-    params[(names[12], 0)] = bg
-    params[(names[12], 8)] = T | (B << 32)
-    params[(names[12], 16)] = T * HV * K
-    for i in (13, 14):
-        params[(names[i], 0)] = bd
+    params = {(names[first], 0): gk_base, (names[first], 8): T | (B << 32), (names[first], 16): T * HV * K}
+    for i in (first + 1, first + 2):
+        params[(names[i], 0)] = dummy_base
         params[(names[i], 8)] = 0
-    for bz in range(B):
-        for hy in range(HV):
-            for bx in range(V // (64 * nwg)):
-                _ScanCTA(prog, gmem, params, (bx, hy, bz), 128 * nwg, tmas).run()
-    out = []
-    for t, base in ((h, bh), (v_new, bv)):
-        raw = bytearray(gmem[base:base + t.numel() * t.element_size()])
-        out.append(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape).clone())
-    return out
+    return params
+
+
+def _emulate_b1(kg, w, u, gk, stages, nwg, mod=b1):
+    """Compile b1 for these CPU tensors (sm_90a), run its PTX on every CTA, return (h, v_new)."""
+    B, T, HV, V = u.shape
+    K = kg.shape[3]
+    NT = (T + 63) // 64
+    text = mod.compile_for(kg, w, u, gk, None, False, stages=stages, warpgroups=nwg).__ptx__
+    assert text, "no PTX on the compiled object"
+    prog = _bar_patch(_ScanProgram(text))
+    h = torch.full((B, NT, HV, K, V), float("nan"), dtype=u.dtype)
+    v_new = torch.full_like(u, float("nan"))
+    dummy = torch.zeros(1, 1, 128, 64)
+    gmem, (bkg, bw, bu, bg, bd, bh, bv) = _gmem([kg, w, u, gk, dummy, h, v_new])
+    e = u.element_size()
+    tmas = {  # kernel args: (atom, tma) pairs for w, kg, u, gd, then the h and v_new stores
+        _P(0): _tok(bw, w, 64),
+        _P(2): _tok(bkg, kg, 64),
+        _P(4): _tok(bu, u, 64),
+        _P(6): _tok(bg, gk, 128, swizzle=0, rows=1),
+        _P(8): _Tma(bh, (V, K, HV, NT, B), (e, V * e, K * V * e, HV * K * V * e, NT * HV * K * V * e),
+                    (64, 128, 1, 1, 1), e, 128, (True, True, True, False, False)),
+        _P(10): _tok(bv, v_new, 64),
+    }
+    params = _state_params(prog, 12, bg, T, B, HV, K, bd)
+    _run(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
+    return _readback(gmem, h, bh), _readback(gmem, v_new, bv)
+
+
+def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod):
+    """The same for a register-A fwd (the candidate in bench/candidates): returns o."""
+    B, T, HV, V = u.shape
+    K = kg.shape[3]
+    text = mod.compile_for(None, qg, kg, w, u, gk, Aqk, None, False, scale, stages=stages,
+                           warpgroups=nwg).__ptx__
+    assert text, "no PTX on the compiled object"
+    prog = _bar_patch(_ScanProgram(text))
+    o = torch.full_like(u, float("nan"))
+    dummy = torch.zeros(1, 1, 128, 64)
+    gmem, (bq, bkg, bw, bu, bg, ba, bd, bo) = _gmem([qg, kg, w, u, gk, Aqk, dummy, o])
+    tmas = {
+        _P(0): _tok(bw, w, 64),
+        _P(2): _tok(bq, qg, 64),
+        _P(4): _tok(bkg, kg, 64),
+        _P(6): _tok(bu, u, 64),
+        _P(8): _tok(ba, Aqk, 64),
+        _P(10): _tok(bg, gk, 128, swizzle=0, rows=1),
+        _P(12): _tok(bo, o, 64),
+    }
+    params = _state_params(prog, 14, bg, T, B, HV, K, bd)
+    _run(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
+    return _readback(gmem, o, bo)
+
+
+def _P(i):
+    return PARAM_BASE + 0x1000 * i
 
 
 def _inputs(B=1, T=96, H=1, HV=1, V=64, dtype=torch.bfloat16, seed=0):

@@ -1,0 +1,95 @@
+"""Run register-A scan kernels (b1, and fwd from bench/candidates) on the CPU: their sm_90a PTX
+through the interpreter of tests/kda_cute/test_scan_ptx.py, against float64, and candidate
+packages against each other bit for bit. No GPU: checks a candidate's logic (indices, buffers,
+barrier phases) before a device minute is spent on it; not its speed, not its races (TMA and
+wgmma run synchronously there).
+
+    python bench/cpu_emulate.py --stage b1 [--alt DIR ...] [--shape B,T,H,HV,V,STAGES,WG ...]
+    python bench/cpu_emulate.py --stage fwd --alt alt/fr/packages/kda-cute/kda_cute
+
+Without --alt, b1 runs from this checkout. A candidate: `mkdir -p alt/x && git archive HEAD
+packages/kda-cute/kda_cute | tar -x -C alt/x && patch -p1 -d alt/x < bench/candidates/X.patch`.
+The fwd in main still reads A from shared memory, which the interpreter does not model: pass fwd
+candidates only. ~10 s per shape and package on one core.
+"""
+
+import argparse
+import importlib
+import importlib.util
+import os
+import pathlib
+import sys
+
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "kda_cute"))
+
+import test_scan_ptx as emu  # noqa: E402
+from kda_cute import reference as ref  # noqa: E402
+from kda_cute.reference import stages as rstages  # noqa: E402
+
+SHAPES = ["1,96,1,1,64,2,1", "1,200,1,2,128,2,2", "2,130,2,2,128,2,1"]
+
+
+def load(path: str | None, n: int, stage: str):
+    if path is None:
+        return importlib.import_module(f"kda_cute.{stage}")
+    path = pathlib.Path(path).resolve()
+    name = f"kda_cute_alt{n}"
+    spec = importlib.util.spec_from_file_location(
+        name, path / "__init__.py", submodule_search_locations=[str(path)]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return importlib.import_module(f"{name}.{stage}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", choices=("b1", "fwd"), required=True)
+    ap.add_argument("--alt", action="append", default=[])
+    ap.add_argument("--shape", action="append", help="B,T,H,HV,V,STAGES,WARPGROUPS")
+    a = ap.parse_args()
+    pkgs = a.alt if a.stage == "fwd" else [None, *a.alt]
+    if not pkgs:
+        ap.error("fwd: pass the candidate package(s) with --alt")
+    mods = [load(p, i, a.stage) for i, p in enumerate(pkgs)]
+    labels = ["main" if p is None else p for p in pkgs]
+    ok = True
+    for shp in a.shape or SHAPES:
+        B, T, H, HV, V, st, wg = (int(x) for x in shp.split(","))
+        kg, w, u, gk = emu._inputs(B=B, T=T, H=H, HV=HV, V=V)
+        outs = []
+        if a.stage == "b1":
+            want = rstages.fwd_h(kg.double(), w.double(), u.double(), gk.double(), None, False)[:2]
+            for m in mods:
+                outs.append(emu._emulate_b1(kg, w, u, gk, st, wg, mod=m))
+        else:
+            g = torch.Generator().manual_seed(1)
+            q = (torch.randn(B, T, HV, 128, generator=g) * 0.1).to(torch.bfloat16)
+            qg = (q.float() * torch.exp2(gk)).to(torch.bfloat16)
+            A = torch.randn(B, T, HV, 64, generator=g).to(torch.bfloat16)  # upper triangle: masked
+            want = rstages.fwd_scan(q.double(), None, kg.double(), w.double(), u.double(), gk.double(),
+                                    A.double(), None, False, 0.088)[:1]
+            for m in mods:
+                outs.append((emu._emulate_fwd(qg, kg, w, u, gk, A, 0.088, st, wg, m),))
+        for lab, out in zip(labels, outs, strict=True):
+            errs = [ref.rel_err(x.double(), y) for x, y in zip(out, want, strict=True)]
+            fin = all(torch.isfinite(x.float()).all().item() for x in out)
+            good = fin and max(errs) < 5e-3
+            ok &= good
+            shown = ", ".join(f"{e:.2e}" for e in errs)
+            print(f"{shp} {lab}: rel err vs float64 [{shown}] finite {fin}"
+                  f"{'' if good else '  <-- FAIL'}")
+        for lab, out in zip(labels[1:], outs[1:], strict=True):
+            same = all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+                       for x, y in zip(out, outs[0], strict=True))
+            print(f"{shp} {lab}: bitwise equal to {labels[0]}: {same}")
+    print("ALL PASS" if ok else "SOME FAIL")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
