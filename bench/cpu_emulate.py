@@ -1,16 +1,15 @@
-"""Run register-A scan kernels (b1, and fwd from bench/candidates) on the CPU: their sm_90a PTX
-through the interpreter of tests/kda_cute/test_scan_ptx.py, against float64, and candidate
-packages against each other bit for bit. No GPU: checks a candidate's logic (indices, buffers,
+"""Run the scan kernels (b1, fwd; this checkout's and candidate packages) on the CPU: their
+sm_90a PTX through the interpreter of tests/kda_cute/test_scan_ptx.py, against float64, and the
+candidates against this checkout bit for bit. No GPU: checks a candidate's logic (indices, buffers,
 barrier phases) before a device minute is spent on it; not its speed, not its races (TMA and
 wgmma run synchronously there).
 
     python bench/cpu_emulate.py --stage b1 [--alt DIR ...] [--shape B,T,H,HV,V,STAGES,WG ...]
     python bench/cpu_emulate.py --stage fwd --alt alt/fr/packages/kda-cute/kda_cute
 
-Without --alt, b1 runs from this checkout. A candidate: `mkdir -p alt/x && git archive HEAD
-packages/kda-cute/kda_cute | tar -x -C alt/x && patch -p1 -d alt/x < bench/candidates/X.patch`.
-The fwd in main still reads A from shared memory, which the interpreter does not model: pass fwd
-candidates only. ~10 s per shape and package on one core.
+This checkout's kernel always runs; each --alt is a candidate package: `mkdir -p alt/x && git
+archive HEAD packages/kda-cute/kda_cute | tar -x -C alt/x && patch -p1 -d alt/x <
+bench/candidates/X.patch`. ~10 s per shape and package on one core.
 """
 
 import argparse
@@ -52,9 +51,7 @@ def main():
     ap.add_argument("--alt", action="append", default=[])
     ap.add_argument("--shape", action="append", help="B,T,H,HV,V,STAGES,WARPGROUPS")
     a = ap.parse_args()
-    pkgs = a.alt if a.stage == "fwd" else [None, *a.alt]
-    if not pkgs:
-        ap.error("fwd: pass the candidate package(s) with --alt")
+    pkgs = [None, *a.alt]
     mods = [load(p, i, a.stage) for i, p in enumerate(pkgs)]
     labels = ["main" if p is None else p for p in pkgs]
     ok = True

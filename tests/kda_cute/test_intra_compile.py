@@ -596,6 +596,15 @@ class _CTA:
                     R[args[0]] = val(a1)
             elif op == "not.pred":
                 R[args[0]] = not R[args[1]]
+            elif op in ("and.pred", "or.pred", "xor.pred"):
+                x, y = bool(R[args[1]]), bool(R[args[2]])
+                R[args[0]] = {"and": x and y, "or": x or y, "xor": x != y}[parts[0]]
+            elif op in ("neg.f32", "abs.f32"):  # sign bit only (not the integer ops below)
+                x = val(args[1]) & 0xFFFFFFFF
+                R[args[0]] = x ^ 0x80000000 if op == "neg.f32" else x & 0x7FFFFFFF
+            elif op in ("max.f32", "min.f32"):
+                a_, b_ = fv(args[1]), fv(args[2])
+                R[args[0]] = f2b(max(a_, b_) if op == "max.f32" else min(a_, b_))
             elif base == "cvta":
                 R[args[0]] = val(args[1])
             elif op == "fma.rn.f32":

@@ -1,11 +1,12 @@
-"""kda_cute_b1's sm_90a PTX, run on CPU by a PTX interpreter, computes fla's fwd_h (CI, no GPU).
+"""The three scans' sm_90a PTX (kda_cute_b1, kda_cute_fwd, kda_cute_dhu), run on CPU by a PTX
+interpreter, compute their contracts against float64 (CI, no GPU).
 
 The interpreter of `test_intra_compile` (one Python generator per thread) is extended here with
-what the register-A scan uses: TMA tiles (cp.async.bulk.tensor with 128-byte swizzle, loads
-completing an mbarrier's transaction count, stores), mbarriers (init, arrive, expect_tx,
-try_wait.parity as a spin that yields), elect.sync, named barriers, and warpgroup MMAs
-(wgmma.mma_async m64nNk16 with A from registers and B from a shared-memory descriptor, run as a
-128-thread collective). The tensor maps are built on the host at launch, which a CPU cannot do,
+what the scans use: TMA tiles (cp.async.bulk.tensor with 128-byte swizzle, loads completing an
+mbarrier's transaction count, stores), mbarriers (init, arrive, expect_tx, try_wait.parity as a
+spin that yields), elect.sync, named barriers, and warpgroup MMAs (wgmma.mma_async m64nNk16, A
+from registers or from a shared-memory descriptor, B from a descriptor, K- or MN-major, run as
+a 128-thread collective). The tensor maps are built on the host at launch, which a CPU cannot do,
 so the test describes each one itself (tensor, coordinate order, box, swizzle) from the kernel's
 argument order. TMA and wgmma run synchronously at issue, so this checks the kernel's logic
 (indices, buffers, barrier phases, the accumulator-to-A view), not its races.
@@ -19,6 +20,8 @@ import torch
 
 pytest.importorskip("cutlass.cute")
 b1 = pytest.importorskip("kda_cute.b1")
+fwd = pytest.importorskip("kda_cute.fwd")
+dhu = pytest.importorskip("kda_cute.dhu")
 ti = pytest.importorskip("test_intra_compile")  # the base interpreter (same folder)
 from kda_cute import reference as ref  # noqa: E402
 from kda_cute.reference import stages as rstages  # noqa: E402
@@ -146,13 +149,15 @@ class _ScanCTA(ti._CTA):
     def wgmma(self, frags, n, conv):
         A = np.zeros((64, 16))
         D = np.zeros((64, n))
-        desc, scale_d, trans = frags[0][2], frags[0][3], frags[0][4]
-        for t, (a, d, _, _, _) in enumerate(frags):
+        desc, scale_d, trans, a_desc = frags[0][2], frags[0][3], frags[0][4], frags[0][5]
+        if a_desc is not None:  # an A tile is addressed as a B tile of N = 64 (rows m for n)
+            A = self._b_tile(a_desc[0], 64, a_desc[1], conv).T
+        for t, (a, d, _, _, _, _) in enumerate(frags):
             w, lane = t // 32, t % 32
             g, q = lane // 4, lane % 4
             r0 = 16 * w + g
             slots = ((r0, 2 * q), (r0 + 8, 2 * q), (r0, 2 * q + 8), (r0 + 8, 2 * q + 8))
-            for i, (rr, kk) in enumerate(slots):
+            for i, (rr, kk) in enumerate(slots if a is not None else ()):
                 A[rr, kk] = conv(a[i] & 0xFFFF)
                 A[rr, kk + 1] = conv(a[i] >> 16)
             for i, v in enumerate(d):
@@ -232,10 +237,14 @@ class _ScanCTA(ti._CTA):
                 return
             n = int(re.search(r"m64n(\d+)k16", op).group(1))
             d = [r.strip() for r in args[0].strip("{}").split(",")]
-            a = [val(r.strip()) for r in args[1].strip("{}").split(",")]
             dv = [val(r) for r in d]
             scale_d = R[args[3]] if not args[3].isdigit() else bool(int(args[3]))
-            res = yield ("wgmma", (a, dv, val(args[2]), scale_d, int(args[6])), n, op.endswith("f16.f16"))
+            if args[1].startswith("{"):  # A in registers: d, {a}, descB, p, sa, sb, tnspB
+                a = [val(r.strip()) for r in args[1].strip("{}").split(",")]
+                payload = (a, dv, val(args[2]), scale_d, int(args[6]), None)
+            else:  # A in smem: d, descA, descB, p, sa, sb, tnspA, tnspB
+                payload = (None, dv, val(args[2]), scale_d, int(args[7]), (val(args[1]), int(args[6])))
+            res = yield ("wgmma", payload, n, op.endswith("f16.f16"))
             for r, v in zip(d, res, strict=True):
                 R[r] = v
             return
@@ -388,8 +397,11 @@ def _emulate_b1(kg, w, u, gk, stages, nwg, mod=b1):
     return _readback(gmem, h, bh), _readback(gmem, v_new, bv)
 
 
-def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod):
-    """The same for a register-A fwd (the candidate in bench/candidates): returns o."""
+def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None):
+    """Compile fwd, run its PTX on every CTA, return o. Either form: the smem-operand kernel
+    (tensor maps w, qg, kg, u, Aqk, then the o store) or the register-A candidate of
+    bench/candidates (gk's last row by TMA too, before the o store)."""
+    mod = mod or fwd
     B, T, HV, V = u.shape
     K = kg.shape[3]
     text = mod.compile_for(None, qg, kg, w, u, gk, Aqk, None, False, scale, stages=stages,
@@ -399,18 +411,41 @@ def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod):
     o = torch.full_like(u, float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
     gmem, (bq, bkg, bw, bu, bg, ba, bd, bo) = _gmem([qg, kg, w, u, gk, Aqk, dummy, o])
-    tmas = {
-        _P(0): _tok(bw, w, 64),
-        _P(2): _tok(bq, qg, 64),
-        _P(4): _tok(bkg, kg, 64),
-        _P(6): _tok(bu, u, 64),
-        _P(8): _tok(ba, Aqk, 64),
-        _P(10): _tok(bg, gk, 128, swizzle=0, rows=1),
-        _P(12): _tok(bo, o, 64),
-    }
-    params = _state_params(prog, 14, bg, T, B, HV, K, bd)
+    tmas = {_P(0): _tok(bw, w, 64), _P(2): _tok(bq, qg, 64), _P(4): _tok(bkg, kg, 64),
+            _P(6): _tok(bu, u, 64), _P(8): _tok(ba, Aqk, 64)}
+    n_maps = sum(1 for _, size in prog.params if size == "128")
+    if n_maps == 7:  # register-A form
+        tmas[_P(10)] = _tok(bg, gk, 128, swizzle=0, rows=1)
+    tmas[_P(2 * n_maps - 2)] = _tok(bo, o, 64)
+    params = _state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd)
     _run(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
     return _readback(gmem, o, bo)
+
+
+def _emulate_dhu(qg, kg, w, gk, do, dv, scale, stages, nwg, mod=None):
+    """dhu (smem-operand skeleton): tensor maps kg, qg, w, do, dv, then the dh and dv2 stores;
+    no dht / h0. Returns (dh, dv2)."""
+    mod = mod or dhu
+    B, T, HV, K = qg.shape
+    V = do.shape[3]
+    NT = (T + 63) // 64
+    text = mod.compile_for(qg, kg, w, gk, None, None, do, dv, scale, stages=stages, warpgroups=nwg).__ptx__
+    prog = _bar_patch(_ScanProgram(text))
+    dh = torch.full((B, NT, HV, K, V), float("nan"), dtype=do.dtype)
+    dv2 = torch.full_like(dv, float("nan"))
+    dummy = torch.zeros(1, 1, 128, 64)
+    gmem, (bq, bkg, bw, bg, bdo, bdv, bd, bh, bv) = _gmem([qg, kg, w, gk, do, dv, dummy, dh, dv2])
+    e = do.element_size()
+    tmas = {
+        _P(0): _tok(bkg, kg, 64), _P(2): _tok(bq, qg, 64), _P(4): _tok(bw, w, 64),
+        _P(6): _tok(bdo, do, 64), _P(8): _tok(bdv, dv, 64),
+        _P(10): _Tma(bh, (V, K, HV, NT, B), (e, V * e, K * V * e, HV * K * V * e, NT * HV * K * V * e),
+                     (64, 128, 1, 1, 1), e, 128, (True, True, True, False, False)),
+        _P(12): _tok(bv, dv2, 64),
+    }
+    params = _state_params(prog, 14, bg, T, B, HV, K, bd)  # then dht, dh0: bare pointers
+    _run(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
+    return _readback(gmem, dh, bh), _readback(gmem, dv2, bv)
 
 
 def _P(i):
@@ -452,3 +487,47 @@ def test_b1_ptx_computes_fwd_h(monkeypatch, tmp_path, B, T, H, HV, V, stages, nw
     assert torch.isfinite(h.float()).all() and torch.isfinite(v_new.float()).all()
     assert ref.rel_err(h.double(), want_h) < 5e-3, ref.rel_err(h.double(), want_h)
     assert ref.rel_err(v_new.double(), want_v) < 5e-3, ref.rel_err(v_new.double(), want_v)
+
+
+def _q_and_aqk(B, T, HV, gk, seed=1):
+    """q gated into qg as fwd_intra stores it, and an Aqk whose upper triangle is garbage (the
+    kernel must mask it)."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, T, HV, 128, generator=g) * 0.1).to(torch.bfloat16)
+    qg = (q.float() * torch.exp2(gk)).to(torch.bfloat16)
+    Aqk = torch.randn(B, T, HV, 64, generator=g).to(torch.bfloat16)
+    return q, qg, Aqk
+
+
+@pytest.mark.parametrize("B, T, HV, V, stages, nwg", [(1, 96, 1, 64, 2, 1), (1, 200, 2, 128, 1, 2)])
+def test_fwd_ptx_computes_fwd_scan(monkeypatch, tmp_path, B, T, HV, V, stages, nwg):
+    """kda_cute_fwd's PTX (A operands from shared memory, both majors), interpreted: o matches
+    float64 to bf16 accuracy (measured 2.0e-3 / 2.7e-3)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.chdir(tmp_path)
+    kg, w, u, gk = _inputs(B=B, T=T, H=HV, HV=HV, V=V)
+    q, qg, Aqk = _q_and_aqk(B, T, HV, gk)
+    o = _emulate_fwd(qg, kg, w, u, gk, Aqk, 0.088, stages, nwg)
+    want, _ = rstages.fwd_scan(q.double(), None, kg.double(), w.double(), u.double(), gk.double(),
+                               Aqk.double(), None, False, 0.088)
+    assert torch.isfinite(o.float()).all()
+    assert ref.rel_err(o.double(), want) < 5e-3, ref.rel_err(o.double(), want)
+
+
+@pytest.mark.parametrize("B, T, HV, V, stages, nwg", [(1, 96, 1, 64, 2, 1), (1, 200, 2, 128, 1, 2)])
+def test_dhu_ptx_computes_bwd_dhu(monkeypatch, tmp_path, B, T, HV, V, stages, nwg):
+    """kda_cute_dhu's PTX (the reverse scan), interpreted: dh and dv2 match float64 to bf16
+    accuracy (measured 1.6e-3 / 2.7e-3)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.chdir(tmp_path)
+    kg, w, u, gk = _inputs(B=B, T=T, H=HV, HV=HV, V=V)
+    _, qg, _ = _q_and_aqk(B, T, HV, gk)
+    g = torch.Generator().manual_seed(2)
+    do = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
+    dv = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
+    dh, dv2 = _emulate_dhu(qg, kg, w, gk, do, dv, 0.088, stages, nwg)
+    want_dh, _, want_dv2 = rstages.bwd_dhu(qg.double(), kg.double(), w.double(), gk.double(), None, None,
+                                           do.double(), dv.double(), 0.088)
+    assert torch.isfinite(dh.float()).all() and torch.isfinite(dv2.float()).all()
+    assert ref.rel_err(dh.double(), want_dh) < 5e-3, ref.rel_err(dh.double(), want_dh)
+    assert ref.rel_err(dv2.double(), want_dv2) < 5e-3, ref.rel_err(dv2.double(), want_dv2)
