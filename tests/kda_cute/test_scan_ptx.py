@@ -370,18 +370,24 @@ def _state_params(prog, first, gk_base, T, B, HV, K, dummy_base):
     return params
 
 
-def _emulate_b1(kg, w, u, gk, stages, nwg, mod=b1):
-    """Compile b1 for these CPU tensors (sm_90a), run its PTX on every CTA, return (h, v_new)."""
+def _emulate_b1(kg, w, u, gk, stages, nwg, mod=b1, h0=None):
+    """Compile b1 for these CPU tensors (sm_90a), run its PTX on every CTA, return (h, v_new),
+    and ht when h0 is given (then both states are real tensors; B = 1 only: their params'
+    batch fields are not modelled)."""
     B, T, HV, V = u.shape
     K = kg.shape[3]
     NT = (T + 63) // 64
-    text = mod.compile_for(kg, w, u, gk, None, False, stages=stages, warpgroups=nwg).__ptx__
+    state = h0 is not None
+    assert not state or B == 1
+    text = mod.compile_for(kg, w, u, gk, h0, state, stages=stages, warpgroups=nwg).__ptx__
     assert text, "no PTX on the compiled object"
     prog = _bar_patch(_ScanProgram(text))
     h = torch.full((B, NT, HV, K, V), float("nan"), dtype=u.dtype)
     v_new = torch.full_like(u, float("nan"))
+    ht = torch.full((B, HV, K, V), float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
-    gmem, (bkg, bw, bu, bg, bd, bh, bv) = _gmem([kg, w, u, gk, dummy, h, v_new])
+    h0t = h0 if state else dummy
+    gmem, (bkg, bw, bu, bg, bd, bh, bv, b0, bt) = _gmem([kg, w, u, gk, dummy, h, v_new, h0t, ht])
     e = u.element_size()
     tmas = {  # kernel args: (atom, tma) pairs for w, kg, u, gd, then the h and v_new stores
         _P(0): _tok(bw, w, 64),
@@ -393,8 +399,12 @@ def _emulate_b1(kg, w, u, gk, stages, nwg, mod=b1):
         _P(10): _tok(bv, v_new, 64),
     }
     params = _state_params(prog, 12, bg, T, B, HV, K, bd)
+    if state:
+        names = [n for n, _ in prog.params]
+        params[(names[13], 0)], params[(names[14], 0)] = b0, bt
     _run(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
-    return _readback(gmem, h, bh), _readback(gmem, v_new, bv)
+    out = (_readback(gmem, h, bh), _readback(gmem, v_new, bv))
+    return (*out, _readback(gmem, ht, bt)) if state else out
 
 
 def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None):
@@ -531,3 +541,18 @@ def test_dhu_ptx_computes_bwd_dhu(monkeypatch, tmp_path, B, T, HV, V, stages, nw
     assert torch.isfinite(dh.float()).all() and torch.isfinite(dv2.float()).all()
     assert ref.rel_err(dh.double(), want_dh) < 5e-3, ref.rel_err(dh.double(), want_dh)
     assert ref.rel_err(dv2.double(), want_dv2) < 5e-3, ref.rel_err(dv2.double(), want_dv2)
+
+
+@pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
+def test_b1_ptx_with_initial_and_final_state(monkeypatch, tmp_path, stages, nwg, V):
+    """b1 with h0 read and ht written (fp32, through ld / st.global): h, v_new and ht match
+    float64 (T = 96, one and two warpgroups)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.chdir(tmp_path)
+    kg, w, u, gk = _inputs(B=1, T=96, H=1, HV=1, V=V)
+    h0 = torch.randn(1, 1, 128, V, generator=torch.Generator().manual_seed(3)) * 0.1
+    h, v_new, ht = _emulate_b1(kg, w, u, gk, stages, nwg, h0=h0)
+    want = rstages.fwd_h(kg.double(), w.double(), u.double(), gk.double(), h0.double(), True)
+    for got, exp in zip((h, v_new, ht), want, strict=True):
+        assert torch.isfinite(got.float()).all()
+        assert ref.rel_err(got.double(), exp) < 5e-3, ref.rel_err(got.double(), exp)
