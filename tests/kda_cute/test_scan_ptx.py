@@ -8,8 +8,11 @@ spin that yields), elect.sync, named barriers, and warpgroup MMAs (wgmma.mma_asy
 from registers or from a shared-memory descriptor, B from a descriptor, K- or MN-major, run as
 a 128-thread collective). The tensor maps are built on the host at launch, which a CPU cannot do,
 so the test describes each one itself (tensor, coordinate order, box, swizzle) from the kernel's
-argument order. TMA and wgmma run synchronously at issue, so this checks the kernel's logic
-(indices, buffers, barrier phases, the accumulator-to-A view), not its races.
+argument order. TMA loads and wgmma run at issue; TMA stores read their shared-memory source
+only when the issuing thread's cp.async.bulk.wait_group lets them complete (the latest the
+hardware may), so a store buffer overwritten before its wait gives wrong output (removing b1's
+read wait before the named barrier: h 1.4 relative error). So this checks the kernel's logic
+(indices, buffers, barrier phases, the accumulator-to-A view, store waits), not every race.
 """
 
 import re
@@ -96,6 +99,10 @@ class _ScanCTA(ti._CTA):
         for i, (name, _size) in enumerate(prog.params):
             self.symbols[name] = PARAM_BASE + 0x1000 * i
         self.mbar = {}  # smem address -> [count, pending, tx, phase]
+        # TMA stores read their smem source as late as allowed: when the issuing thread's
+        # cp.async.bulk.wait_group lets them complete, so a source overwritten before that wait
+        # (a missing or misplaced wait) shows up as a wrong output
+        self.stores = {}  # thread -> (open group, [committed groups, oldest first])
 
     # ---- mbarriers
     def _arrive(self, a, n=1, tx=0):
@@ -177,7 +184,18 @@ class _ScanCTA(ti._CTA):
     # ---- the extra opcodes
     def other(self, op, parts, args, R, val, addr, tid):
         base = parts[0]
-        if base == "fence" or op.startswith("cp.async.bulk.commit") or op.startswith("cp.async.bulk.wait"):
+        if base == "fence":
+            return
+        if op.startswith("cp.async.bulk.commit"):
+            open_, done = self.stores.setdefault(tid, ([], []))
+            done.append(list(open_))
+            open_.clear()
+            return
+        if op.startswith("cp.async.bulk.wait"):
+            _, done = self.stores.setdefault(tid, ([], []))
+            while len(done) > val(args[0]):
+                for st in done.pop(0):
+                    self._tma_store(*st)
             return
         if op == "kda.nbar":
             bid = val(args[0]) if args else 0
@@ -224,7 +242,8 @@ class _ScanCTA(ti._CTA):
                 inner = args[0].strip("[]")
                 tm, coords = inner.split(",", 1)
                 cs = [val(c.strip()) for c in coords.strip(" {}").split(",")]
-                self._tma_store(self.tmas[val(tm.strip())], addr(args[1]), cs)
+                tma = self.tmas[val(tm.strip())]
+                self.stores.setdefault(tid, ([], []))[0].append((tma, addr(args[1]), cs))
             else:  # load: [dst], [tmap, {coords}], [mbar](, policy)
                 inner = args[1].strip("[]")
                 tm, coords = inner.split(",", 1)
@@ -307,6 +326,8 @@ class _ScanCTA(ti._CTA):
             stall = 0 if progressed else stall + 1
             if stall > 2:
                 raise RuntimeError("deadlock: " + str(sorted({s[0] for s in state if s})))
+        pending = {t: (o, d) for t, (o, d) in self.stores.items() if o or any(d)}
+        assert not pending, f"CTA {self.ctaid} exited with TMA stores not waited for: {sorted(pending)}"
 
     def _snapshot(self):
         return tuple((k, tuple(v)) for k, v in sorted(self.mbar.items()))
