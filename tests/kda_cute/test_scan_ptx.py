@@ -8,11 +8,12 @@ spin that yields), elect.sync, named barriers, and warpgroup MMAs (wgmma.mma_asy
 from registers or from a shared-memory descriptor, B from a descriptor, K- or MN-major, run as
 a 128-thread collective). The tensor maps are built on the host at launch, which a CPU cannot do,
 so the test describes each one itself (tensor, coordinate order, box, swizzle) from the kernel's
-argument order. TMA loads and wgmma run at issue; TMA stores read their shared-memory source
-only when the issuing thread's cp.async.bulk.wait_group lets them complete (the latest the
-hardware may), so a store buffer overwritten before its wait gives wrong output (removing b1's
-read wait before the named barrier: h 1.4 relative error). So this checks the kernel's logic
-(indices, buffers, barrier phases, the accumulator-to-A view, store waits), not every race.
+argument order. TMA loads run at issue (the earliest: a refill that lands on a stage still in
+use corrupts it). TMA stores read their shared-memory source, and wgmma groups their registers
+and shared memory, only when a wait_group lets them complete (the latest the hardware may), so
+an operand overwritten before its wait gives wrong output (removing b1's store read wait before
+the named barrier: h 1.4 relative error). So this checks the kernel's logic (indices, buffers,
+barrier phases, the accumulator-to-A view, the waits), not every possible race.
 """
 
 import re
@@ -103,6 +104,7 @@ class _ScanCTA(ti._CTA):
         # cp.async.bulk.wait_group lets them complete, so a source overwritten before that wait
         # (a missing or misplaced wait) shows up as a wrong output
         self.stores = {}  # thread -> (open group, [committed groups, oldest first])
+        self.mmas = {}  # the same for wgmma (per thread; a group runs as a warpgroup collective)
 
     # ---- mbarriers
     def _arrive(self, a, n=1, tx=0):
@@ -152,6 +154,26 @@ class _ScanCTA(ti._CTA):
                     a = start + (j // 8) * sbo + (j % 8) * 128 + k * 2
                 B[k, j] = conv(self.load("shared", _swz(a, 128), 2))
         return B
+
+    def _complete_mmas(self, ts, keep: int):
+        """Run this warpgroup's committed wgmma groups but the `keep` newest, oldest first,
+        reading each thread's registers and shared memory now and writing D back."""
+        done = [self.mmas.setdefault(t, ([], []))[1] for t in ts]
+        while len(done[0]) > keep:
+            groups = [d.pop(0) for d in done]
+            for k in range(len(groups[0])):
+                ins = [grp[k] for grp in groups]
+                n, f16 = ins[0][7], ins[0][8]
+                conv = ti.f16_to_f32 if f16 else ti.bf16_to_f32
+                frags = []
+                for R, a, d, desc, scale_d, trans, a_desc, _, _ in ins:
+                    av = None if a is None else [R[r] for r in a]
+                    dv = [R.get(r, 0xDEADBEEF) for r in d]
+                    frags.append((av, dv, desc, scale_d, trans, a_desc))
+                res = self.wgmma(frags, n, conv)
+                for (R, _, d, *_rest), vals in zip(ins, res, strict=True):
+                    for r, v in zip(d, vals, strict=True):
+                        R[r] = v
 
     def wgmma(self, frags, n, conv):
         A = np.zeros((64, 16))
@@ -252,20 +274,28 @@ class _ScanCTA(ti._CTA):
                 self._complete_tx(addr(args[2]), n)
             return
         if base == "wgmma":
-            if parts[1] in ("fence", "commit_group", "wait_group"):
+            # issued into the thread's open group; executed, operands read then, when a
+            # wait_group lets the group complete (the latest the hardware may read them)
+            open_, done = self.mmas.setdefault(tid, ([], []))
+            if parts[1] == "fence":
+                return
+            if parts[1] == "commit_group":
+                done.append(list(open_))
+                open_.clear()
+                return
+            if parts[1] == "wait_group":
+                yield ("wgmma_wait", val(args[0]))
                 return
             n = int(re.search(r"m64n(\d+)k16", op).group(1))
             d = [r.strip() for r in args[0].strip("{}").split(",")]
-            dv = [val(r) for r in d]
             scale_d = R[args[3]] if not args[3].isdigit() else bool(int(args[3]))
+            f16 = op.endswith("f16.f16")
             if args[1].startswith("{"):  # A in registers: d, {a}, descB, p, sa, sb, tnspB
-                a = [val(r.strip()) for r in args[1].strip("{}").split(",")]
-                payload = (a, dv, val(args[2]), scale_d, int(args[6]), None)
+                a = [r.strip() for r in args[1].strip("{}").split(",")]
+                open_.append((R, a, d, val(args[2]), scale_d, int(args[6]), None, n, f16))
             else:  # A in smem: d, descA, descB, p, sa, sb, tnspA, tnspB
-                payload = (None, dv, val(args[2]), scale_d, int(args[7]), (val(args[1]), int(args[6])))
-            res = yield ("wgmma", payload, n, op.endswith("f16.f16"))
-            for r, v in zip(d, res, strict=True):
-                R[r] = v
+                a_desc = (val(args[1]), int(args[6]))
+                open_.append((R, None, d, val(args[2]), scale_d, int(args[7]), a_desc, n, f16))
             return
         raise NotImplementedError(f"{op} {args}")
 
@@ -300,12 +330,10 @@ class _ScanCTA(ti._CTA):
                     progressed = True
             for g in range(self.ntid // 128):
                 ts = list(range(128 * g, 128 * g + 128))
-                if all(alive[t] and state[t][0] == "wgmma" for t in ts):
-                    _, _, n, f16 = state[ts[0]]
-                    conv = ti.f16_to_f32 if f16 else ti.bf16_to_f32
-                    res = self.wgmma([state[t][1] for t in ts], n, conv)
-                    for i, t in enumerate(ts):
-                        state[t] = self.resume(threads, t, res[i], alive)
+                if all(alive[t] and state[t][0] == "wgmma_wait" for t in ts):
+                    self._complete_mmas(ts, state[ts[0]][1])
+                    for t in ts:
+                        state[t] = self.resume(threads, t, None, alive)
                     progressed = True
             # barriers (bar.sync id[, count]; id 0 without a count is the whole CTA)
             groups = {}
