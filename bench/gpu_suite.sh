@@ -4,7 +4,8 @@
 # triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
 #   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench bandwidth ncu
-#                                     save savecache (default: all but fp16, bandwidth, ncu)
+#                                     candidates save savecache (default: all but fp16, bandwidth,
+#                                     ncu, candidates)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
 #   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash bench/gpu_suite.sh scans bench) &
@@ -60,6 +61,15 @@ for s in $steps; do
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
+    candidates)  # A/B of bench/candidates' patches against main (bench/candidates/prepare.sh first,
+                 # here: alt/ travels); outputs compared bitwise, fla in the same process
+      b1alts=$(for d in alt/b1-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
+      fwdalts=$(for d in alt/fwd-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
+      [ -n "$b1alts" ] && step ab_b1 ${AB_LIMIT:-150} python bench/ab_stage.py --stage b1 --no-h0 --inner 3 \
+        --shape ref --shape small $b1alts --var 2,1
+      [ -n "$fwdalts" ] && step ab_fwd ${AB_LIMIT:-150} python bench/ab_stage.py --stage fwd --no-h0 --inner 3 \
+        --shape ref --shape small $fwdalts --var 2,1
+      ;;
     bandwidth)  # DRAM bandwidth by read / write mix (~20 s): the ceiling a memory-bound stage meets
       step bandwidth 120 python bench/bandwidth.py ;;
     ncu)  # Nsight Compute: NCU_STAGE's CuTe kernel beside fla's (default b1 without a state):
