@@ -17,26 +17,10 @@ Each row counts the DRAM bytes the kernel must move (reads + writes) over its me
                                                 broadcast element is expected to hit L2)
 """
 
-import statistics
-
 import torch
+from cuda_clock import median_ms
 
 GIB = 1 << 30
-
-
-def median_ms(fn, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():
@@ -57,7 +41,7 @@ def main():
     print("| mix | ms | reads GB | writes GB | TB/s | write TB/s |")
     print("|---|---|---|---|---|---|")
     for name, fn, r, w in rows:
-        ms = median_ms(fn)
+        ms = median_ms(fn, warmup=3, reps=30)
         tb = (r + w) / ms / 1e9
         print(f"| {name} | {ms:.3f} | {r / 1e9:.2f} | {w / 1e9:.2f} | {tb:.2f} | {w / ms / 1e9:.2f} |",
               flush=True)

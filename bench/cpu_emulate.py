@@ -14,7 +14,6 @@ bench/candidates/X.patch`. ~10 s per shape and package on one core.
 
 import argparse
 import importlib
-import importlib.util
 import os
 import pathlib
 import sys
@@ -25,6 +24,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "kda_cute"))
 
 import test_scan_ptx as emu  # noqa: E402
+from ab_stage import load_alt  # noqa: E402
 from kda_cute import reference as ref  # noqa: E402
 from kda_cute.reference import stages as rstages  # noqa: E402
 
@@ -32,17 +32,8 @@ SHAPES = ["1,96,1,1,64,2,1", "1,200,1,2,128,2,2", "2,130,2,2,128,2,1"]
 
 
 def load(path: str | None, n: int, stage: str):
-    if path is None:
-        return importlib.import_module(f"kda_cute.{stage}")
-    path = pathlib.Path(path).resolve()
-    name = f"kda_cute_alt{n}"
-    spec = importlib.util.spec_from_file_location(
-        name, path / "__init__.py", submodule_search_locations=[str(path)]
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return importlib.import_module(f"{name}.{stage}")
+    pkg = "kda_cute" if path is None else load_alt(path, n)
+    return importlib.import_module(f"{pkg}.{stage}")
 
 
 def main():

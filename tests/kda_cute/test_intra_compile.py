@@ -41,13 +41,7 @@ def _emulate_ptx(text, args, emit_bf16=False):
     for t in outs:
         t.fill_(float("nan"))
     tensors = [*args, *outs]
-    gmem = bytearray(4096 + sum((t.numel() * t.element_size() + 4095) // 4096 * 4096 for t in tensors))
-    bases, off = [], 4096
-    for t in tensors:
-        nb = t.numel() * t.element_size()
-        bases.append(off)
-        gmem[off:off + nb] = t.contiguous().view(torch.uint8).numpy().tobytes()
-        off += (nb + 4095) // 4096 * 4096
+    gmem, bases = _gmem(tensors)
     params = {}
     for (name, _size), t, base in zip(prog.params, tensors, bases, strict=True):
         params[(name, 0)] = base  # a tensor argument: data pointer, dynamic (B, T), B stride
@@ -72,11 +66,25 @@ def _emulate_ptx(text, args, emit_bf16=False):
         for hy in range(HV):
             for tx in range(T // 64):
                 _CTA(prog, gmem, params, (tx, hy, bz), prefetch_ok=chunk_rows(tx, hy, bz)).run()
-    res = []
-    for t, base in zip(outs, bases[10:], strict=True):
-        raw = bytearray(gmem[base:base + t.numel() * t.element_size()])
-        res.append(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape).clone())
-    return res
+    return [_readback(gmem, t, base) for t, base in zip(outs, bases[10:], strict=True)]
+
+
+def _gmem(tensors):
+    """The tensors laid out in one emulated global memory: (bytearray, base address of each)."""
+    gmem = bytearray(4096 + sum((t.numel() * t.element_size() + 4095) // 4096 * 4096 for t in tensors))
+    bases, off = [], 4096
+    for t in tensors:
+        nb = t.numel() * t.element_size()
+        bases.append(off)
+        gmem[off:off + nb] = t.contiguous().view(torch.uint8).numpy().tobytes()
+        off += (nb + 4095) // 4096 * 4096
+    return gmem, bases
+
+
+def _readback(gmem, t, base):
+    """Tensor t's bytes back out of the emulated global memory."""
+    raw = bytearray(gmem[base:base + t.numel() * t.element_size()])
+    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape).clone()
 
 
 # tf32's unit roundoff (10 explicit mantissa bits): the cross sums' operands are rounded to it, so

@@ -98,7 +98,7 @@ class _ScanCTA(ti._CTA):
         super().__init__(prog, gmem, params, ctaid, ntid=ntid, smem_bytes=232 * 1024)
         self.tmas = tmas  # param value -> _Tma
         for i, (name, _size) in enumerate(prog.params):
-            self.symbols[name] = PARAM_BASE + 0x1000 * i
+            self.symbols[name] = _P(i)
         self.mbar = {}  # smem address -> [count, pending, tx, phase]
         # TMA stores read their smem source as late as allowed: when the issuing thread's
         # cp.async.bulk.wait_group lets them complete, so a source overwritten before that wait
@@ -373,23 +373,6 @@ def _bar_patch(prog: _ScanProgram):
     return prog
 
 
-def _gmem(tensors):
-    """The tensors laid out in one emulated global memory: (bytearray, base address of each)."""
-    gmem = bytearray(4096 + sum((t.numel() * t.element_size() + 4095) // 4096 * 4096 for t in tensors))
-    bases, off = [], 4096
-    for t in tensors:
-        nb = t.numel() * t.element_size()
-        bases.append(off)
-        gmem[off:off + nb] = t.contiguous().view(torch.uint8).numpy().tobytes()
-        off += (nb + 4095) // 4096 * 4096
-    return gmem, bases
-
-
-def _readback(gmem, t, base):
-    raw = bytearray(gmem[base:base + t.numel() * t.element_size()])
-    return torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape).clone()
-
-
 ST4 = (True, False, True, False)  # static extents of a (feature, T, heads, B) view
 
 
@@ -436,7 +419,7 @@ def _emulate_b1(kg, w, u, gk, stages, nwg, mod=b1, h0=None):
     ht = torch.full((B, HV, K, V), float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
     h0t = h0 if state else dummy
-    gmem, (bkg, bw, bu, bg, bd, bh, bv, b0, bt) = _gmem([kg, w, u, gk, dummy, h, v_new, h0t, ht])
+    gmem, (bkg, bw, bu, bg, bd, bh, bv, b0, bt) = ti._gmem([kg, w, u, gk, dummy, h, v_new, h0t, ht])
     e = u.element_size()
     tmas = {  # kernel args: (atom, tma) pairs for w, kg, u, gd, then the h and v_new stores
         _P(0): _tok(bw, w, 64),
@@ -452,8 +435,8 @@ def _emulate_b1(kg, w, u, gk, stages, nwg, mod=b1, h0=None):
         names = [n for n, _ in prog.params]
         params[(names[13], 0)], params[(names[14], 0)] = b0, bt
     _run(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
-    out = (_readback(gmem, h, bh), _readback(gmem, v_new, bv))
-    return (*out, _readback(gmem, ht, bt)) if state else out
+    out = (ti._readback(gmem, h, bh), ti._readback(gmem, v_new, bv))
+    return (*out, ti._readback(gmem, ht, bt)) if state else out
 
 
 def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None):
@@ -469,7 +452,7 @@ def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None):
     prog = _bar_patch(_ScanProgram(text))
     o = torch.full_like(u, float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
-    gmem, (bq, bkg, bw, bu, bg, ba, bd, bo) = _gmem([qg, kg, w, u, gk, Aqk, dummy, o])
+    gmem, (bq, bkg, bw, bu, bg, ba, bd, bo) = ti._gmem([qg, kg, w, u, gk, Aqk, dummy, o])
     tmas = {_P(0): _tok(bw, w, 64), _P(2): _tok(bq, qg, 64), _P(4): _tok(bkg, kg, 64),
             _P(6): _tok(bu, u, 64), _P(8): _tok(ba, Aqk, 64)}
     n_maps = sum(1 for _, size in prog.params if size == "128")
@@ -478,7 +461,7 @@ def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None):
     tmas[_P(2 * n_maps - 2)] = _tok(bo, o, 64)
     params = _state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd)
     _run(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
-    return _readback(gmem, o, bo)
+    return ti._readback(gmem, o, bo)
 
 
 def _emulate_dhu(qg, kg, w, gk, do, dv, scale, stages, nwg, mod=None):
@@ -493,7 +476,7 @@ def _emulate_dhu(qg, kg, w, gk, do, dv, scale, stages, nwg, mod=None):
     dh = torch.full((B, NT, HV, K, V), float("nan"), dtype=do.dtype)
     dv2 = torch.full_like(dv, float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
-    gmem, (bq, bkg, bw, bg, bdo, bdv, bd, bh, bv) = _gmem([qg, kg, w, gk, do, dv, dummy, dh, dv2])
+    gmem, (bq, bkg, bw, bg, bdo, bdv, bd, bh, bv) = ti._gmem([qg, kg, w, gk, do, dv, dummy, dh, dv2])
     e = do.element_size()
     tmas = {
         _P(0): _tok(bkg, kg, 64), _P(2): _tok(bq, qg, 64), _P(4): _tok(bw, w, 64),
@@ -504,7 +487,7 @@ def _emulate_dhu(qg, kg, w, gk, do, dv, scale, stages, nwg, mod=None):
     }
     params = _state_params(prog, 14, bg, T, B, HV, K, bd)  # then dht, dh0: bare pointers
     _run(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
-    return _readback(gmem, dh, bh), _readback(gmem, dv2, bv)
+    return ti._readback(gmem, dh, bh), ti._readback(gmem, dv2, bv)
 
 
 def _P(i):
