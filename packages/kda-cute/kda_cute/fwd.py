@@ -11,13 +11,30 @@ Per (b, hv), over chunks c of 64 tokens (gk in log2 units, gd = gk at the chunk'
 with fla's casts (qg, h, v_new, Aqk in the input dtype for the dots, fp32 accumulation, o in the
 input dtype). Aqk's strictly-upper triangle is masked in smem (fla's intra leaves it unwritten).
 
-CTA decomposition: `kda_cute._scan` (one warpgroup per (b, hv, 64-wide V tile), state as the wgmma
-accumulator of `kg^T @ v_new`, bf16 state in smem as the shared B operand of `w @ h` and `qg @ h`,
-which are issued in one wgmma group). qg arrives ready-gated by TMA with w, kg, u, Aqk: fla's
-fwd_intra writes it next to w, u, kg (`disable_recompute`, the chain's fwd_intra(want_qg=True)),
-one value head per row block, so GVA needs no q-head ratio here. gk is read only for the
-per-chunk decay row exp2(gd). o is staged in smem and leaves by TMA store. No per-chunk state
-leaves the CTA. q stays in the contract (fla's fwd_o and the reference read it) but is not read.
+CTA decomposition and layouts: b1's register-A form (see `kda_cute.b1`): one warpgroup per
+(b, hv, 64-wide V tile), `nwg` per CTA sharing the w / qg / kg / Aqk / gd tiles; the state is
+h^T [v, k] fp32, the accumulator of an m64n128 wgmma, and every GEMM takes A from registers:
+
+    P^T, O^T = bf16(h^T) @ w^T, bf16(h^T) @ qg^T      one wgmma group, B = w, qg (t, k) K-major
+    v_new^T  = u^T - P^T
+    o^T      = scale O^T + bf16(v_new^T) @ tril(Aqk)^T  B = Aqk (t, s) K-major, masked in smem
+    h^T     <- exp2(gd)[k] h^T + bf16(v_new^T) @ kg      B = kg (k, t) MN-major
+
+qg arrives ready-gated by TMA with w, kg, u, Aqk and gk's last row: fla's fwd_intra writes it
+next to w, u, kg (`disable_recompute`, the chain's fwd_intra(want_qg=True)), one value head per
+row block, so GVA needs no q-head ratio here. Aqk's upper triangle is zeroed in smem under the
+first group by the whole CTA (it shares the tile), with one CTA barrier per chunk; o is staged in
+smem and leaves by TMA store. No per-chunk state leaves the CTA. q stays in the contract (fla's
+fwd_o and the reference read it) but is not read.
+
+Measured on the H200 (2026-12-01, fifth session, bench/results/logs/ab_candidates_2026-12-01m):
+outputs bitwise equal to the smem-operand kernel it replaces at the reference shape and at B2
+T4096, both variants. No initial state, 3 calls per sample, same process: B16 T8192 H16 V256
+1.569 ms (2 stages x 2 warpgroups) against the smem-operand kernel's 1.927 and fla's fwd_h +
+fwd_o 3.815 (2.43x, was 1.98x in the same run); B2 T4096 0.135 ms against 0.175 and fla 0.337
+(2.49x). Two o store buffers per warpgroup (the bulk-store read wait before the CTA barrier is
+for the store two chunks old) are worth 1.626 -> 1.569 and 0.185 -> 0.135 ms on their own.
+The paragraphs below measured the smem-operand design (state [k, v] in smem as B operand).
 
 Why qg and not q: the first design loaded q and gated it in place in smem (every thread read
 fp32 gk rows from global, exp2, wrote smem back) after the stage's mbarrier wait and before the
@@ -37,12 +54,10 @@ The first design (q gated in the kernel, 2026-11-30): 3.864 vs 3.894 ms = 1.01x,
 pass was most of the kernel's time. Left on the table: the upper-triangle mask of Aqk in smem per
 chunk and three CTA barriers per chunk.
 
-Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
-chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
-it from the smem copy the checkpoint store needs anyway); a producer warp + empty barriers
-(unneeded: the consumers are the only smem readers and a CTA barrier already orders them
-before the refill); a 128-wide V tile in one warpgroup (128 fp32 state registers per thread
-plus the token accumulators would spill).
+Alternatives considered: mma.sync with ldmatrix (the state re-read through ldmatrix and
+B-fragment shuffles every chunk); a producer warp beside the consumers (ptxas sizes registers for
+whole warpgroups: measured on b1, 168 registers and spills); a 128-wide V tile in one warpgroup
+(128 fp32 state registers per thread plus the token accumulators would spill).
 """
 
 import torch
@@ -61,11 +76,12 @@ from .b1 import (
     wide_grid,
 )
 
-# The compiled variant, by grid (measured on the H200, 2026-12-01, same run as fla, bench/results/
-# scans_2026-12-01.md): at B16 T8192 H16 V256 (1024 V tiles) 1 stage x 2 warpgroups 1.687 ms
-# against 1.896 (2 stages x 1), 2.025 (1 x 1), 2.356 (2 x 2: 2 stages of two warpgroups' tiles
-# leave one CTA per SM); at B2 T4096 (128 tiles) 2 x 1 0.211 ms against 0.252 (1 x 1), where two
-# warpgroups per CTA would leave half the SMs idle. Between the two grids it is not measured: two
+# The compiled variant, by grid (H200, 2026-12-01 fifth session, same run as fla, bench/results/
+# logs/ab_candidates_2026-12-01m): at B16 T8192 H16 V256 (1024 V tiles) 2 stages x 2 warpgroups
+# 1.569 ms against 1.853 for 2 x 1; at B2 T4096 (128 tiles) 2 x 1 0.135 ms (two warpgroups per
+# CTA would leave half the SMs idle there). The
+# smem-operand design preferred 1 x 2 at the reference grid (2 x 2 left one CTA per SM there;
+# the register-A form frees the state's smem). Between the two grids not measured: two
 # warpgroups once their CTAs fill the 132 SMs about four times over.
 WIDE_FROM_TILES = 512
 GRID_FLOOR = 0
@@ -74,7 +90,7 @@ _cache = CallCache("kda_cute_fwd")
 
 def variant(B: int, HV: int, V: int) -> tuple[int, int]:
     """(stages, warpgroups) for this grid (see WIDE_FROM_TILES)."""
-    return (1, 2) if wide_grid(B, HV, V, WIDE_FROM_TILES) else (2, 1)
+    return (2, 2) if wide_grid(B, HV, V, WIDE_FROM_TILES) else (2, 1)
 
 
 class _Fwd:
@@ -87,30 +103,29 @@ class _Fwd:
         import cutlass.cute as cute
 
         dt, st, nwg = self.dtype, self.stages, self.nwg
-        self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # w (t, k), shared by the warpgroups
-        self.l_q = S.smem_layout(dt, S.BT, S.KD, True, st)  # qg (t, k), shared
-        self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # kg^T (k, t), shared
+        self.l_w = S.smem_layout(dt, S.BT, S.KD, True, st)  # w (t, k): B K-major, shared
+        self.l_q = S.smem_layout(dt, S.BT, S.KD, True, st)  # qg (t, k): B K-major, shared
+        self.l_kg = S.smem_layout(dt, S.KD, S.BT, False, st)  # kg (k, t): B MN-major, shared
         self.l_u = S.smem_layout(dt, S.BV, S.BT, False, st * nwg)  # u (v, t) per (stage, warpgroup)
-        self.l_a = S.smem_layout(dt, S.BT, S.BT, True, st)  # Aqk (t, s), shared
-        self.l_h = S.smem_layout(dt, S.BV, S.KD, False, nwg)
-        self.l_v = S.smem_layout(dt, S.BV, S.BT, False, nwg)
-        self.l_o = S.smem_layout(dt, S.BV, S.BT, False, nwg)
+        self.l_a = S.smem_layout(dt, S.BT, S.BT, True, st)  # Aqk (t, s): B K-major, shared
+        self.l_g = cute.make_layout((S.KD, 1, st))  # gk's row at the chunk's last token, fp32
+        self.l_o = S.smem_layout(dt, S.BV, S.BT, False, 2 * nwg)  # o (v, t), slot parity * nwg + wg
         self.tx_bytes = sum(S.tile_bytes(dt, lay) for lay in (self.l_w, self.l_q, self.l_kg, self.l_a))
-        self.tx_bytes += nwg * S.tile_bytes(dt, self.l_u)
+        self.tx_bytes += nwg * S.tile_bytes(dt, self.l_u) + S.KD * 4
         if not with_struct:
             return
 
         @cute.struct
         class Storage:
-            mbar: cute.struct.MemRange[cutlass.Int64, st]
-            sG: cute.struct.MemRange[cutlass.Float32, S.KD]
+            mbar: cute.struct.MemRange[cutlass.Int64, st]  # full: the stage's loads landed
+            empty: cute.struct.MemRange[cutlass.Int64, st]
+            sG: cute.struct.MemRange[cutlass.Float32, S.KD]  # (S.Cta's; unused here)
+            sGd: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S.KD * st], 128]
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_w)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_q)], 1024]
             sKg: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_kg)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_u)], 1024]
             sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_a)], 1024]
-            sH: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_h)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_v)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_o)], 1024]
 
         self.storage = Storage
@@ -128,6 +143,7 @@ class _Fwd:
             atom_kg, tma_kg = S.tma_load(S.col_view(kg), this.l_kg, (S.KD, S.BT))
             atom_u, tma_u = S.tma_load(S.col_view(u), this.l_u, (S.BV, S.BT))
             atom_a, tma_a = S.tma_load(S.row_view(aqk), this.l_a, (S.BT, S.BT))
+            atom_g, tma_g = S.tma_load(S.col_view(gk), this.l_g, (S.KD, 1))
             atom_o, tma_o = S.tma_store(S.col_view(o), this.l_o, (S.BV, S.BT))
             B = cute.size(u, mode=[0])
             this.kda_cute_fwd(
@@ -141,13 +157,13 @@ class _Fwd:
                 tma_u,
                 atom_a,
                 tma_a,
+                atom_g,
+                tma_g,
                 atom_o,
                 tma_o,
                 S.col_view(gk),
                 S.fp32_state_view(h0),
                 S.fp32_state_view(ht),
-                S.mma_tt(this.dtype),
-                S.mma_kv(this.dtype),
             ).launch(
                 grid=(this.V // (S.BV * this.nwg), this.HV, B),
                 block=[S.THREADS * this.nwg, 1, 1],
@@ -164,6 +180,7 @@ class _Fwd:
 def _fwd_kernel(cfg):
     import cutlass
     import cutlass.cute as cute
+    from cutlass.cute.nvgpu import warpgroup
 
     class K:
         @cute.kernel
@@ -179,111 +196,112 @@ def _fwd_kernel(cfg):
             tma_u,
             atom_a,
             tma_a,
+            atom_g,
+            tma_g,
             atom_o,
             tma_o,
             mGc,
             mH0,
             mHt,
-            mma_tt: cute.TiledMma,
-            mma_kv: cute.TiledMma,
         ):
             nst, nwg = cfg.stages, cfg.nwg
             cfg._layouts()
             cta = S.Cta(cfg, mGc)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
-            hk, T, NT, st, mbar, sG = cta.hk, cta.T, cta.NT, cta.st, cta.mbar, cta.sG
+            hk, T, NT, st = cta.hk, cta.T, cta.NT, cta.st
+            full = cta.mbar
+            empty = st.empty.data_ptr()
             sW = S.smem_tensor(st.sW, cfg.l_w)
             sQ = S.smem_tensor(st.sQ, cfg.l_q)
             sKg = S.smem_tensor(st.sKg, cfg.l_kg)
             sU = S.smem_tensor(st.sU, cfg.l_u)
             sA = S.smem_tensor(st.sA, cfg.l_a)
-            sHall = S.smem_tensor(st.sH, cfg.l_h)
-            sVall = S.smem_tensor(st.sV, cfg.l_v)
-            sOall = S.smem_tensor(st.sO, cfg.l_o)
-            sH = sHall[None, None, wg]
-            sV = sVall[None, None, wg]
-            sO = sOall[None, None, wg]
+            sGd = st.sGd.get_tensor(cfg.l_g)
+            sO = S.smem_tensor(st.sO, cfg.l_o)[None, None, wg]
 
             tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.BT, S.KD), (None, 0, hv, b)))
             tQs, tQg = S.tma_part(atom_q, sQ, cute.local_tile(tma_q, (S.BT, S.KD), (None, 0, hv, b)))
             tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.KD, S.BT), (0, None, hk, b)))
             tAs, tAg = S.tma_part(atom_a, sA, cute.local_tile(tma_a, (S.BT, S.BT), (None, 0, hv, b)))
-            tOs, tOg = S.tma_part(atom_o, sO, cute.local_tile(tma_o, (S.BV, S.BT), (vt, None, hv, b)))
-
+            tGs, tGg = S.tma_part(atom_g, sGd, cute.local_tile(tma_g, (S.KD, 1), (0, None, hv, b)))
+            gOt = cute.local_tile(tma_o, (S.BV, S.BT), (vt, None, hv, b))
+            _, tOg = S.tma_part(atom_o, sO, gOt)
             loads = [
                 (atom_w, tWg, tWs),
                 (atom_q, tQg, tQs),
                 (atom_kg, tKg, tKs),
                 (atom_a, tAg, tAs),
+                (atom_g, tGg, tGs, "row"),
             ]
             for i in cutlass.range_constexpr(nwg):
                 tUs, tUg = S.tma_part(
                     atom_u, sU, cute.local_tile(tma_u, (S.BV, S.BT), (bv * nwg + i, None, hv, b))
                 )
                 loads.append((atom_u, tUg, tUs, nwg, i))
-            S.prologue(mbar, nst, cfg.tx_bytes, loads, 0, 1, NT, tid)
+            if tid == 0:
+                for i in cutlass.range_constexpr(nst):
+                    cute.arch.mbarrier_init(empty + i, 4 * nwg)  # one arrive per warp
+            S.prologue(full, nst, cfg.tx_bytes, loads, 0, 1, NT, tid, T)
 
-            thr_tt = mma_tt.get_slice(wtid)
-            thr_kv = mma_kv.get_slice(wtid)
-            tAw = mma_tt.make_fragment_A(thr_tt.partition_A(sW))
-            tAq = mma_tt.make_fragment_A(thr_tt.partition_A(sQ))
-            tAa = mma_tt.make_fragment_A(thr_tt.partition_A(sA))
-            tBh = mma_tt.make_fragment_B(thr_tt.partition_B(sH))
-            tBv_t = mma_tt.make_fragment_B(thr_tt.partition_B(sV))
-            tAk = mma_kv.make_fragment_A(thr_kv.partition_A(sKg))
-            tBv = mma_kv.make_fragment_B(thr_kv.partition_B(sV))
-            cS = thr_kv.partition_C(cute.make_identity_tensor((S.KD, S.BV)))
-            cP = thr_tt.partition_C(cute.make_identity_tensor((S.BT, S.BV)))
-            acc = cute.make_rmem_tensor(cS.shape, cutlass.Float32)
-            accP = cute.make_rmem_tensor(cP.shape, cutlass.Float32)
-            accO = cute.make_rmem_tensor(cP.shape, cutlass.Float32)
-            tSsH = thr_kv.partition_C(S.transposed(sH))
-            tPsV = thr_tt.partition_C(S.transposed(sV))
-            tPsO = thr_tt.partition_C(S.transposed(sO))
-            sU_tv = S.transposed(sU)
-
-            tSgHt = thr_kv.partition_C(cute.local_tile(mHt, (S.KD, S.BV), (0, vt, hv, b)))
-            gH0 = cute.local_tile(mH0, (S.KD, S.BV), (0, vt, hv, b))
+            mma_p = S.make_rs_mma(cfg.dtype, True, S.BT)  # (v, t) over k, and over s for o
+            mma_s = S.make_rs_mma(cfg.dtype, False, S.KD)  # (v, k) over t
+            thr_p = mma_p.get_slice(wtid)
+            thr_s = mma_s.get_slice(wtid)
+            tBw = mma_p.make_fragment_B(thr_p.partition_B(sW))
+            tBq = mma_p.make_fragment_B(thr_p.partition_B(sQ))
+            tBa = mma_p.make_fragment_B(thr_p.partition_B(sA))
+            tBk = mma_s.make_fragment_B(thr_s.partition_B(sKg))
+            cS = thr_s.partition_C(cute.make_identity_tensor((S.BV, S.KD)))
+            acc = cute.make_rmem_tensor(cS.shape, cutlass.Float32)  # h^T (v, k)
+            shapeP = thr_p.partition_C(cute.make_identity_tensor((S.BV, S.BT))).shape
+            accP = cute.make_rmem_tensor(shapeP, cutlass.Float32)  # (w h)^T (v, t)
+            accO = cute.make_rmem_tensor(shapeP, cutlass.Float32)  # o^T (v, t)
+            gH0 = S.transposed(cute.local_tile(mH0, (S.KD, S.BV), (0, vt, hv, b)))
+            # (partitioned before the loop: the gemms set the MMA's ACCUMULATE field inside it)
+            tSgHt = thr_s.partition_C(S.transposed(cute.local_tile(mHt, (S.KD, S.BV), (0, vt, hv, b))))
             if cutlass.const_expr(cfg.has_h0):
-                cute.autovec_copy(thr_kv.partition_C(gH0), acc)
+                cute.autovec_copy(thr_s.partition_C(gH0), acc)
             else:
                 acc.fill(0.0)
+            bar = 1 + wg
 
             for c in cutlass.range(NT, unroll=1):
                 s = c % nst
-                phase = (c // nst) % 2
-                last = cutlass.min((c + 1) * S.BT, T) - 1
-                S.load_row_scale(sG, mGc[None, last, hv, b], tid)
-                S.frag_to_smem(acc, tSsH, cfg.dtype)
-                cute.arch.mbarrier_wait(mbar + s, phase)
+                hb = cute.make_rmem_tensor_like(acc, cfg.dtype)
+                hb.store(acc.load().to(cfg.dtype))
+                cute.arch.mbarrier_wait(full + s, (c // nst) % 2)
+                # P^T = bf16(h)^T w^T, O^T = bf16(h)^T qg^T: one group, A from registers
+                warpgroup.fence()
+                S.gemm(mma_p, accP, S.acc_as_a(hb), tBw, None, s, False)
+                S.gemm(mma_p, accO, S.acc_as_a(hb), tBq, None, s, False)
+                warpgroup.commit_group()
+                # under it: h *= exp2(gd) (column scale of h^T), u into registers, Aqk's upper
+                # triangle zeroed (the whole CTA shares the tile), the last o store done reading
+                S.decay_cols(acc, cS, sGd, s)
+                ub = cute.make_rmem_tensor_like(accP, cfg.dtype)
+                cute.autovec_copy(thr_p.partition_C(sU[None, None, s * nwg + wg]), ub)
                 S.mask_upper(sA[None, None, s], tid, S.THREADS * nwg)
-                S.sync_smem_for_async()
-                # P = w @ bf16(h), O = qg @ bf16(h)   (one wgmma group)
-                cute.nvgpu.warpgroup.fence()
-                S.gemm(mma_tt, accP, tAw, tBh, s, None, False)
-                S.gemm(mma_tt, accO, tAq, tBh, s, None, False)
-                cute.nvgpu.warpgroup.commit_group()
-                S.scale_rows(acc, cS, sG, cutlass.Float32(1.0))  # h *= exp2(gd), under the wgmma
-                cute.nvgpu.warpgroup.wait_group(0)
-                uf = S.smem_to_frag_f32(thr_tt.partition_C(sU_tv[None, None, s * nwg + wg]), accP)
-                accP.store(uf.load() - accP.load())
-                S.frag_to_smem(accP, tPsV, cfg.dtype)
                 if wtid == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)  # this parity's: two chunks old
                 S.sync_smem_for_async()
-                # o = scale * O + tril(Aqk) @ v_new ; h = exp2(gd) * h + kg^T @ v_new
+                warpgroup.wait_group(0)
+                accP.store(ub.load().to(cutlass.Float32) - accP.load())
+                vb = cute.make_rmem_tensor_like(accP, cfg.dtype)
+                vb.store(accP.load().to(cfg.dtype))
                 accO.store(accO.load() * cfg.scale)
-                cute.nvgpu.warpgroup.fence()
-                S.gemm(mma_tt, accO, tAa, tBv_t, s, None, True)
-                S.gemm(mma_kv, acc, tAk, tBv, s, None, True)
-                S.wgmma_wait()
-                S.frag_to_smem(accO, tPsO, cfg.dtype)
-                S.sync_smem_for_async()
+                # o^T += bf16(v_new)^T tril(Aqk)^T ; h^T += bf16(v_new)^T kg
+                warpgroup.fence()
+                S.gemm(mma_p, accO, S.acc_as_a(vb), tBa, None, s, True)
+                S.gemm(mma_s, acc, S.acc_as_a(vb), tBk, None, s, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                S.release(empty, s)
+                sOc = cute.make_tensor(sO.iterator + (c % 2) * (nwg * S.BV * S.BT), sO.layout)
+                S.frag_to_smem(accO, thr_p.partition_C(sOc), cfg.dtype)
+                S.sync_smem_for_async_wg(bar)
                 if wtid == 0:
-                    S.store_chunk(atom_o, tOs, tOg, c)
-                if tid < 32:  # warp 0 whole: see S.issue_chunk
-                    if c + nst < NT:
-                        S.issue_chunk(mbar, s, cfg.tx_bytes, loads, c + nst)
+                    S.store_chunk(atom_o, S.tma_part(atom_o, sOc, gOt)[0], tOg, c)
+                S.refill(full, empty, s, c, nst, NT, cfg.tx_bytes, loads, T, tid)
 
             if cutlass.const_expr(cfg.store_ht):
                 cute.autovec_copy(acc, tSgHt)
