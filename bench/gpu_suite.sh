@@ -50,7 +50,7 @@ for s in $steps; do
     intra)
       step check_intra 200 python bench/check_intra.py ;;
     scans)  # one process per scan: a hang costs only its own limit
-      for st in b1 fwd dhu; do step "check_scans_$st" ${SCAN_LIMIT:-150} python bench/check_scans.py --stage $st; done ;;
+      for st in ${SCAN_STAGES:-b1 fwd dhu}; do step "check_scans_$st" ${SCAN_LIMIT:-150} python bench/check_scans.py --stage $st; done ;;
     launch)  # host vs device time per launch and per chain step (the small-shape slowdown)
       step check_launch 120 python bench/check_launch.py ;;
     tests)  # pytest-timeout (on the GPU image) dumps every thread's stack if a test hangs. The
@@ -66,18 +66,22 @@ for s in $steps; do
       b1alts=$(for d in alt/b1-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
       fwdalts=$(for d in alt/fwd-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
       [ -n "$b1alts" ] && step ab_b1 ${AB_LIMIT:-150} python bench/ab_stage.py --stage b1 --no-h0 --inner 3 \
-        --shape ref --shape small $b1alts --var 2,1
+        --shape ref --shape small $b1alts ${CAND_VARS:---var 2,1}
       [ -n "$fwdalts" ] && step ab_fwd ${AB_LIMIT:-150} python bench/ab_stage.py --stage fwd --no-h0 --inner 3 \
-        --shape ref --shape small $fwdalts --var 2,1
+        --shape ref --shape small $fwdalts ${CAND_VARS:---var 2,1}
       ;;
     bandwidth)  # DRAM bandwidth by read / write mix (~20 s): the ceiling a memory-bound stage meets
       step bandwidth 120 python bench/bandwidth.py ;;
-    ncu)  # Nsight Compute: NCU_STAGE's CuTe kernel beside fla's (default b1 without a state):
-          # the details page and the per-instruction SASS table (stall samples) come back
-      step ncu ${NCU_LIMIT:-300} ncu --clock-control none -k "regex:${NCU_K:-kda_cute_b1|fwd_kernel_h}" \
-        --set full -f -o "$OUT/prof" python bench/ncu_profile.py --stage "${NCU_STAGE:-b1}" --fla --no-h0
+    ncu)  # Nsight Compute: NCU_STAGE's CuTe kernel (default b1 without a state): the details page
+          # and the per-instruction SASS table (stall samples) come back. NCU_FLA=1 adds fla's
+          # kernel (NCU_K must then match it): fla autotunes under ncu unless its choices for that
+          # exact key are restored (2026-12-01: 85 profiled launches, over the 300 s limit)
+      step ncu ${NCU_LIMIT:-300} ncu --clock-control none -k "regex:${NCU_K:-kda_cute_b1}" \
+        --set full -f -o "$OUT/prof" python bench/ncu_profile.py --stage "${NCU_STAGE:-b1}" \
+        ${NCU_FLA:+--fla} --no-h0
       ncu -i "$OUT/prof.ncu-rep" --page details >"$OUT/ncu_details.txt" 2>&1
       ncu -i "$OUT/prof.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_sass.csv" 2>&1
+      xz -f -T0 "$OUT/ncu_sass.csv"  # 46 MB with fla's in it: over what comes back
       rm -f "$OUT/prof.ncu-rep"  # ~20 MB: over what comes back
       ls -la "$OUT"/ncu_* | tee -a "$LOG" ;;
     save)  # fla's autotune choices and compiled kernels: copy them to .dev-b/ and .devcache/ here
