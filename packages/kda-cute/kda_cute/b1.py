@@ -43,12 +43,25 @@ chain tests (gva, one_chunk, ragged_T, ref), the saved-activation test and the s
 Reference shape, no initial state, same runs: 1.519 / 1.524 ms (2 stages x 2 warpgroups) against
 the smem-operand kernel's 1.550 / 1.550 and fla's fwd_h 1.898 / 1.924 (1.25x / 1.26x; 1.22-1.24x
 before). fla ran 3-4% slower than in the previous session (1.84), likely on autotune choices
-made at a smaller shape (bench/NOTES.md); against 1.84 this is 1.21-1.25x. The issue's 1.3x
-(<= 1.42 ms at fla's 1.84) is NOT met: 1.52 ms moves the scan's 5.39 GB at 3.55 TB/s, but 3.22
-GB of it are writes, already 2.12 TB/s of writes (a 1:1 copy at 4.0 TB/s writes 2.0): if writes
-cap near there, ~1.5 ms is this contract's floor (`bench/bandwidth.py` measures it).
+made at a smaller shape (bench/NOTES.md); against 1.84 this is 1.21-1.25x. Fifth session, three
+more runs (bench/results/scans_2026-12-01.md): 1.461-1.514 ms against fla's 1.855-1.910
+(1.25-1.27x). The issue's 1.3x is NOT met.
 
-Falsified: four warpgroups per CTA (the whole V = 256 of a (b, hv) in one CTA, 2 stages, 224 KB,
+Why it stops here (fifth session, ncu + bench/bandwidth.py): under ncu the kernel runs 1.42 ms at
+3.80 TB/s of DRAM (78.9% of peak; 89-92% of what torch's copy reaches, 4.15-4.25 TB/s, while
+write-only runs at 3.30-3.36 and b1 is 60% writes), and 35% of all warp stall samples sit on the
+stage's `full` mbarrier wait: the loads are queued behind the DRAM, not issued late. Raising the
+prefetch distance made it slower, and halving the L2 reads of w / kg (multicast) changed
+nothing (below), so neither the pipeline nor L2 is the limit.
+
+Falsified (fifth session, all bitwise equal to this kernel, same runs as fla): cluster pairs of
+CTAs sharing w / kg by TMA multicast (1.521 vs 1.514 ms); three stages with the refill of chunk
+c - 1's stage moved under chunk c's first GEMM, chunk c + 2 two chunks in flight (1.531 vs
+1.461); h / v_new store tiles double-buffered by chunk parity (1.483-1.490 vs 1.461-1.512), and
+with v_new's smem write and both stores also deferred under the next chunk's first GEMM (equal;
+3% faster at B2 T4096 only). Four stages x one warpgroup is 8% faster at B2 T4096 (128 CTAs,
+under one wave; one run, not adopted).
+Falsified earlier: four warpgroups per CTA (the whole V = 256 of a (b, hv) in one CTA, 2 stages, 224 KB,
 ptxas at 128 registers; smem-operand kernel): 1.587 vs 1.529 ms for 3 x 2, and at B2 T4096 4.45
 us per chunk against 2.55 with two warpgroups (lock-stepped warpgroups lengthen every chunk). A
 producer warp beside the consumers (288 threads): ptxas sizes registers for whole warpgroups and
