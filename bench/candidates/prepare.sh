@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 rm -rf alt
 for p in bench/candidates/*.patch; do
+  [ -e "$p" ] || { echo "no candidate patches in bench/candidates"; break; }
   n=$(basename "$p" .patch)
   mkdir -p "alt/$n"
   git archive HEAD packages/kda-cute/kda_cute | tar -x -C "alt/$n"
