@@ -23,7 +23,8 @@ import sys
 import torch
 from cuda_clock import median_ms
 
-SHAPES = {"ref": (16, 8192, 16, 16), "small": (2, 4096, 16, 16)}
+# (B, T, H, HV) at K128 V256: ref 1024 V tiles of 64, mid 256, small 128 (under one wave of 132 SMs)
+SHAPES = {"ref": (16, 8192, 16, 16), "mid": (4, 4096, 16, 16), "small": (2, 4096, 16, 16)}
 
 
 def load_alt(path: str, n: int):
