@@ -157,16 +157,19 @@ def test_chain_offers_the_three_scans(monkeypatch):
     assert r.startswith("qg not computed by fwd_intra")
 
 
-@pytest.mark.parametrize("stage, wide", [("b1", (2, 2)), ("fwd", (2, 2))])
-def test_variant_by_grid(stage, wide):
-    """The wide build (two warpgroups, 2 stages) once the grid has WIDE_FROM_TILES V
-    tiles, else 2 stages x 1 warpgroup; two warpgroups need V % 128 == 0."""
+@pytest.mark.parametrize("stage, narrow_one_wave", [("b1", (4, 1)), ("fwd", (2, 1))])
+def test_variant_by_grid(stage, narrow_one_wave):
+    """Two warpgroups x 2 stages once the grid has WIDE_FROM_TILES V tiles (V % 128 == 0), else
+    one warpgroup: b1 with 4 stages while the grid fits the SMs in one wave, 2 beyond; fwd 2."""
     mod = {"b1": b1, "fwd": fwd}[stage]
-    assert mod.variant(16, 16, 256) == wide  # the reference shape: 1024 V tiles
-    assert mod.variant(2, 16, 256) == (2, 1)  # 128 tiles
+    assert mod.variant(16, 16, 256) == (2, 2)  # the reference shape: 1024 V tiles
+    assert mod.variant(4, 16, 256) == (2, 2)  # 256 tiles
+    assert mod.variant(2, 16, 256) == narrow_one_wave  # 128 tiles
     assert mod.variant(64, 16, 64) == (2, 1)  # one V tile per head: no pair
     n = mod.WIDE_FROM_TILES
-    assert mod.variant(n // 2, 1, 128) == wide and mod.variant(n // 2 - 1, 1, 128) == (2, 1)
+    assert mod.variant(n // 2, 1, 128) == (2, 2) and mod.variant(n // 2 - 1, 1, 128) == (2, 1)
+    if stage == "b1":  # one wave is the device's SM count (132 on the H200 unless told)
+        assert b1.variant(2, 16, 256, sms=114) == (2, 1) and b1.variant(1, 2, 256, sms=8) == (4, 1)
 
 
 def _bad_qg(d):

@@ -507,12 +507,15 @@ def _inputs(B=1, T=96, H=1, HV=1, V=64, dtype=torch.bfloat16, seed=0):
 
 
 # (B, T, H, HV, V, stages, warpgroups): a full + a ragged chunk; GVA with two warpgroups and a
-# four-chunk ragged T; one chunk at three stages; two sequences. ~10 s each on one CPU core.
+# four-chunk ragged T; one chunk at three stages; two sequences; the one-wave build (4 stages x 1
+# warpgroup, `b1.variant` under one wave of SMs) over six ragged chunks, so the ring wraps. ~10 s
+# each on one CPU core.
 CASES = [
     (1, 96, 1, 1, 64, 2, 1),
     (1, 200, 1, 2, 128, 2, 2),
     (1, 64, 2, 2, 64, 3, 1),
     (2, 130, 1, 1, 128, 2, 2),
+    (1, 330, 1, 1, 64, 4, 1),
 ]
 
 

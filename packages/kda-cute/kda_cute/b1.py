@@ -79,7 +79,7 @@ per thread plus the token accumulators would spill).
 import torch
 
 from ._common.cache import CallCache, alloc
-from ._common.support import compile_arch, device_reason
+from ._common.support import compile_arch, device_reason, sm_count
 
 
 class _LazyScan:
@@ -96,14 +96,19 @@ class _LazyScan:
 
 
 S = _LazyScan()
-# The compiled variant, by grid (H200, 2026-12-01, fourth session, no initial state, 3 calls per
-# sample, bench/results/logs/ab_b1_sweep_2026-12-01l_H200.log, one run): at B16 T8192 H16 V256
-# (1024 V tiles) 2 stages x 2 warpgroups 1.478 ms against 1.535 (3 x 1), 1.547 (4 x 1), 1.597
-# (3 x 2), 1.647 (2 x 1). Two warpgroups share each w / kg tile (half the smem fills and L2
-# reads); at 240 registers a two-warpgroup CTA is alone on its SM either way. At B2 T4096 (128
-# tiles) 2 x 1 0.145 ms, 4 x 1 0.142, 3 x 2 0.172 (rounds spread 0.12-0.18: host-bound). Between
-# the two grids not measured: two warpgroups from 512 tiles up, as fwd.
-WIDE_FROM_TILES = 512
+# The compiled variant, by grid (H200, no initial state, 3 calls per sample). Fourth session
+# (bench/results/logs/ab_b1_sweep_2026-12-01l_H200.log): at B16 T8192 H16 V256 (1024 V tiles)
+# 2 stages x 2 warpgroups 1.478 ms against 1.535 (3 x 1), 1.547 (4 x 1), 1.597 (3 x 2), 1.647
+# (2 x 1). Two warpgroups share each w / kg tile (half the smem fills and L2 reads); at 240
+# registers a two-warpgroup CTA is alone on its SM either way. Fifth session
+# (logs/ab_variants_2026-12-01q_H200.log, with ab_b1_early_2026-12-01n for B2): at B4 T4096
+# (256 tiles) 2 x 2 0.207 ms against 0.210 (4 x 1), 0.212 (3 x 1), 0.236 (2 x 1): two warpgroups
+# pay once their 128 CTAs about fill the 132 SMs; at B2 T4096 (128 tiles) 4 x 1 0.117 against
+# 0.122 (3 x 1), 0.128 (2 x 1), 0.169 (2 x 2, 64 CTAs): with one CTA per SM in one wave the deeper
+# ring wins (two runs). Between 128 and 256 tiles (2 x 1, two CTAs per SM) not measured.
+WIDE_FROM_TILES = 256
+# the H200's and H100 SXM's SM count: the variant rule's default where no device is asked (CPU)
+DEFAULT_SMS = 132
 
 
 def wide_grid(B: int, HV: int, V: int, from_tiles: int) -> bool:
@@ -111,9 +116,20 @@ def wide_grid(B: int, HV: int, V: int, from_tiles: int) -> bool:
     return V % (2 * S.BV) == 0 and B * HV * (V // S.BV) >= from_tiles
 
 
-def variant(B: int, HV: int, V: int) -> tuple[int, int]:
-    """(stages, warpgroups) for this grid (see WIDE_FROM_TILES)."""
-    return (2, 2) if wide_grid(B, HV, V, WIDE_FROM_TILES) else (2, 1)
+def variant(B: int, HV: int, V: int, sms: int = DEFAULT_SMS) -> tuple[int, int]:
+    """(stages, warpgroups) for this grid (see WIDE_FROM_TILES): two warpgroups from
+    WIDE_FROM_TILES V tiles; below, one, with 4 stages while every CTA has an SM to itself in
+    one wave (tiles <= sms; 186 KB of smem), else 2 (two CTAs per SM)."""
+    if wide_grid(B, HV, V, WIDE_FROM_TILES):
+        return (2, 2)
+    return (4, 1) if B * HV * (V // S.BV) <= sms else (2, 1)
+
+
+def sms_of(t: torch.Tensor) -> int:
+    """The SM count of `t`'s GPU (DEFAULT_SMS for a CPU tensor: compile-only builds)."""
+    if not t.is_cuda:
+        return DEFAULT_SMS
+    return sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 # 64-wide V tiles (B * HV * V/64) below which fla runs. None measured yet: at 128 tiles
 # (B2 T4096 H16 V256) ours is already 1.59x faster than fla (bench/results/scans_2026-11-30.md).
@@ -418,7 +434,7 @@ def _compile_key(kg, u, initial_state, output_final_state, stages, nwg):
 
 def _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups):
     B, T, HV, V = u.shape
-    auto_stages, auto_wg = variant(B, HV, V)
+    auto_stages, auto_wg = variant(B, HV, V, sms_of(u))
     stages = auto_stages if stages is None else stages
     nwg = S.pick_warpgroups(V, auto_wg if warpgroups is None else warpgroups)
     K = kg.shape[-1]
@@ -470,7 +486,7 @@ def fwd_h(
 
     `stages` (TMA ring depth) and `warpgroups` (1: one 64-wide V tile per CTA; 2: two V tiles
     sharing the w / kg tiles, needs V % 128 == 0, else 1) select the compiled variant, by
-    default `variant(B, HV, V)`."""
+    default `variant(B, HV, V, SMs)`."""
     r = operand_reason(kg, w, u, gk, initial_state) or device_reason(u)
     if r is not None:
         raise ValueError(f"kda_cute.b1.fwd_h: unsupported call: {r}")

@@ -76,14 +76,14 @@ from .b1 import (
     wide_grid,
 )
 
-# The compiled variant, by grid (H200, 2026-12-01 fifth session, same run as fla, bench/results/
-# logs/ab_candidates_2026-12-01m): at B16 T8192 H16 V256 (1024 V tiles) 2 stages x 2 warpgroups
-# 1.569 ms against 1.853 for 2 x 1; at B2 T4096 (128 tiles) 2 x 1 0.135 ms (two warpgroups per
-# CTA would leave half the SMs idle there). The
+# The compiled variant, by grid (H200, 2026-12-01 fifth session, same runs as fla, bench/results/
+# logs/ab_candidates_2026-12-01m and ab_variants_2026-12-01q): at B16 T8192 H16 V256 (1024 V
+# tiles) 2 stages x 2 warpgroups 1.569-1.582 ms against 1.815-1.862 for 3 x 1 / 2 x 1; at B4
+# T4096 (256 tiles) 2 x 2 0.224 against 0.262-0.265; at B2 T4096 (128 tiles) 2 x 1 0.155 against
+# 0.160 (3 x 1) and 0.222 (2 x 2: 64 CTAs leave half the SMs idle); 4 x 1 does not fit. The
 # smem-operand design preferred 1 x 2 at the reference grid (2 x 2 left one CTA per SM there;
-# the register-A form frees the state's smem). Between the two grids not measured: two
-# warpgroups once their CTAs fill the 132 SMs about four times over.
-WIDE_FROM_TILES = 512
+# the register-A form frees the state's smem). Between 128 and 256 tiles not measured.
+WIDE_FROM_TILES = 256
 GRID_FLOOR = 0
 _cache = CallCache("kda_cute_fwd")
 
