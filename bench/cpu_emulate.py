@@ -6,6 +6,7 @@ wgmma run synchronously there).
 
     python bench/cpu_emulate.py --stage b1 [--alt DIR ...] [--shape B,T,H,HV,V,STAGES,WG ...]
     python bench/cpu_emulate.py --stage fwd --alt alt/fr/packages/kda-cute/kda_cute
+    python bench/cpu_emulate.py --stage dhu --alt alt/dhu-rs/packages/kda-cute/kda_cute
 
 This checkout's kernel always runs; each --alt is a candidate package: `mkdir -p alt/x && git
 archive HEAD packages/kda-cute/kda_cute | tar -x -C alt/x && patch -p1 -d alt/x <
@@ -38,7 +39,7 @@ def load(path: str | None, n: int, stage: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--stage", choices=("b1", "fwd"), required=True)
+    ap.add_argument("--stage", choices=("b1", "fwd", "dhu"), required=True)
     ap.add_argument("--alt", action="append", default=[])
     ap.add_argument("--shape", action="append", help="B,T,H,HV,V,STAGES,WARPGROUPS")
     a = ap.parse_args()
@@ -54,6 +55,19 @@ def main():
             want = rstages.fwd_h(kg.double(), w.double(), u.double(), gk.double(), None, False)[:2]
             for m in mods:
                 outs.append(emu._emulate_b1(kg, w, u, gk, st, wg, mod=m))
+        elif a.stage == "dhu":  # the reverse scan, on the same kg / w / gk
+            _, qg, _ = emu._q_and_aqk(B, T, HV, gk)
+            qg = qg[:, :, ::HV // H].contiguous() if H != HV else qg
+            g = torch.Generator().manual_seed(2)
+            do = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
+            dv = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
+            r = HV // H  # the reference takes qg / kg at the value heads (head hv reads hv // r)
+            qg_v, kg_v = (x.double().repeat_interleave(r, 2) for x in (qg, kg))
+            dh, _, dv2 = rstages.bwd_dhu(qg_v, kg_v, w.double(), gk.double(), None, None,
+                                         do.double(), dv.double(), 0.088)
+            want = (dh, dv2)
+            for m in mods:
+                outs.append(emu._emulate_dhu(qg, kg, w, gk, do, dv, 0.088, st, wg, m))
         else:
             g = torch.Generator().manual_seed(1)
             q = (torch.randn(B, T, HV, 128, generator=g) * 0.1).to(torch.bfloat16)

@@ -69,6 +69,9 @@ for s in $steps; do
         --shape ref --shape small $b1alts ${CAND_VARS:---var 2,1}
       [ -n "$fwdalts" ] && step ab_fwd ${AB_LIMIT:-150} python bench/ab_stage.py --stage fwd --no-h0 --inner 3 \
         --shape ref --shape small $fwdalts ${CAND_VARS:---var 2,1}
+      dhualts=$(for d in alt/dhu-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
+      [ -n "$dhualts" ] && step ab_dhu ${AB_LIMIT:-150} python bench/ab_stage.py --stage dhu --no-h0 --inner 3 \
+        --shape ref --shape small $dhualts ${CAND_VARS:---var 2,1}
       ;;
     bandwidth)  # DRAM bandwidth by read / write mix (~20 s): the ceiling a memory-bound stage meets
       step bandwidth 120 python bench/bandwidth.py ;;

@@ -464,30 +464,44 @@ def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None):
     return ti._readback(gmem, o, bo)
 
 
-def _emulate_dhu(qg, kg, w, gk, do, dv, scale, stages, nwg, mod=None):
-    """dhu (smem-operand skeleton): tensor maps kg, qg, w, do, dv, then the dh and dv2 stores;
-    no dht / h0. Returns (dh, dv2)."""
+def _emulate_dhu(qg, kg, w, gk, do, dv, scale, stages, nwg, mod=None, dht=None):
+    """dhu: tensor maps kg, qg, w, do, dv, (in the register-A form: gk's last row,) then the dh
+    and dv2 stores. Returns (dh, dv2), and dh0 when `dht` is given (then an h0 is passed too, so
+    dh0 is written; B = 1 only: the state params' batch fields are not modelled)."""
     mod = mod or dhu
-    B, T, HV, K = qg.shape
-    V = do.shape[3]
+    B, T, HV, V = do.shape
+    K = qg.shape[3]
     NT = (T + 63) // 64
-    text = mod.compile_for(qg, kg, w, gk, None, None, do, dv, scale, stages=stages, warpgroups=nwg).__ptx__
+    state = dht is not None
+    assert not state or B == 1
+    h0 = torch.zeros(B, HV, K, V) if state else None
+    text = mod.compile_for(qg, kg, w, gk, h0, dht, do, dv, scale, stages=stages, warpgroups=nwg).__ptx__
     prog = _bar_patch(_ScanProgram(text))
     dh = torch.full((B, NT, HV, K, V), float("nan"), dtype=do.dtype)
     dv2 = torch.full_like(dv, float("nan"))
+    dh0 = torch.full((B, HV, K, V), float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
-    gmem, (bq, bkg, bw, bg, bdo, bdv, bd, bh, bv) = ti._gmem([qg, kg, w, gk, do, dv, dummy, dh, dv2])
+    gmem, (bq, bkg, bw, bg, bdo, bdv, bd, bh, bv, bt, b0) = ti._gmem(
+        [qg, kg, w, gk, do, dv, dummy, dh, dv2, dht if state else dummy, dh0])
     e = do.element_size()
     tmas = {
         _P(0): _tok(bkg, kg, 64), _P(2): _tok(bq, qg, 64), _P(4): _tok(bw, w, 64),
         _P(6): _tok(bdo, do, 64), _P(8): _tok(bdv, dv, 64),
-        _P(10): _Tma(bh, (V, K, HV, NT, B), (e, V * e, K * V * e, HV * K * V * e, NT * HV * K * V * e),
-                     (64, 128, 1, 1, 1), e, 128, (True, True, True, False, False)),
-        _P(12): _tok(bv, dv2, 64),
     }
-    params = _state_params(prog, 14, bg, T, B, HV, K, bd)  # then dht, dh0: bare pointers
+    n_maps = sum(1 for _, size in prog.params if size == "128")
+    if n_maps == 8:  # register-A form
+        tmas[_P(10)] = _tok(bg, gk, 128, swizzle=0, rows=1)
+    tmas[_P(2 * n_maps - 4)] = _Tma(bh, (V, K, HV, NT, B),
+                                    (e, V * e, K * V * e, HV * K * V * e, NT * HV * K * V * e),
+                                    (64, 128, 1, 1, 1), e, 128, (True, True, True, False, False))
+    tmas[_P(2 * n_maps - 2)] = _tok(bv, dv2, 64)
+    params = _state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd)  # then dht, dh0: bare pointers
+    if state:
+        names = [n for n, _ in prog.params]
+        params[(names[2 * n_maps + 1], 0)], params[(names[2 * n_maps + 2], 0)] = bt, b0
     _run(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
-    return ti._readback(gmem, dh, bh), ti._readback(gmem, dv2, bv)
+    out = (ti._readback(gmem, dh, bh), ti._readback(gmem, dv2, bv))
+    return (*out, ti._readback(gmem, dh0, b0)) if state else out
 
 
 def _P(i):
@@ -576,6 +590,27 @@ def test_dhu_ptx_computes_bwd_dhu(monkeypatch, tmp_path, B, T, HV, V, stages, nw
     assert torch.isfinite(dh.float()).all() and torch.isfinite(dv2.float()).all()
     assert ref.rel_err(dh.double(), want_dh) < 5e-3, ref.rel_err(dh.double(), want_dh)
     assert ref.rel_err(dv2.double(), want_dv2) < 5e-3, ref.rel_err(dv2.double(), want_dv2)
+
+
+@pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
+def test_dhu_ptx_with_dht_and_dh0(monkeypatch, tmp_path, stages, nwg, V):
+    """dhu with dht read and dh0 written (fp32, through ld / st.global): dh, dv2 and dh0 match
+    float64 (T = 96, one and two warpgroups)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.chdir(tmp_path)
+    kg, w, u, gk = _inputs(B=1, T=96, H=1, HV=1, V=V)
+    _, qg, _ = _q_and_aqk(1, 96, 1, gk)
+    g = torch.Generator().manual_seed(4)
+    do = torch.randn(1, 96, 1, V, generator=g).to(torch.bfloat16)
+    dv = torch.randn(1, 96, 1, V, generator=g).to(torch.bfloat16)
+    dht = torch.randn(1, 1, 128, V, generator=g) * 0.1
+    dh, dv2, dh0 = _emulate_dhu(qg, kg, w, gk, do, dv, 0.088, stages, nwg, dht=dht)
+    h0 = torch.zeros(1, 1, 128, V, dtype=torch.float64)
+    want = rstages.bwd_dhu(qg.double(), kg.double(), w.double(), gk.double(), h0, dht.double(),
+                           do.double(), dv.double(), 0.088)
+    for got, exp in zip((dh, dh0, dv2), want, strict=True):
+        assert torch.isfinite(got.float()).all()
+        assert ref.rel_err(got.double(), exp) < 5e-3, ref.rel_err(got.double(), exp)
 
 
 @pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
