@@ -439,20 +439,25 @@ def _emulate_b1(kg, w, u, gk, stages, nwg, mod=b1, h0=None):
     return (*out, ti._readback(gmem, ht, bt)) if state else out
 
 
-def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None):
-    """Compile fwd, run its PTX on every CTA, return o. Either form: the smem-operand kernel
-    (tensor maps w, qg, kg, u, Aqk, then the o store) or the register-A candidate of
-    bench/candidates (gk's last row by TMA too, before the o store)."""
+def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None, h0=None):
+    """Compile fwd, run its PTX on every CTA, return o, and ht when `h0` is given (B = 1 only:
+    the state params' batch fields are not modelled). Either form: the smem-operand kernel
+    (tensor maps w, qg, kg, u, Aqk, then the o store) or the register-A one (gk's last row by
+    TMA too, before the o store)."""
     mod = mod or fwd
     B, T, HV, V = u.shape
     K = kg.shape[3]
-    text = mod.compile_for(None, qg, kg, w, u, gk, Aqk, None, False, scale, stages=stages,
+    state = h0 is not None
+    assert not state or B == 1
+    text = mod.compile_for(None, qg, kg, w, u, gk, Aqk, h0, state, scale, stages=stages,
                            warpgroups=nwg).__ptx__
     assert text, "no PTX on the compiled object"
     prog = _bar_patch(_ScanProgram(text))
     o = torch.full_like(u, float("nan"))
+    ht = torch.full((B, HV, K, V), float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
-    gmem, (bq, bkg, bw, bu, bg, ba, bd, bo) = ti._gmem([qg, kg, w, u, gk, Aqk, dummy, o])
+    gmem, (bq, bkg, bw, bu, bg, ba, bd, bo, b0, bt) = ti._gmem(
+        [qg, kg, w, u, gk, Aqk, dummy, o, h0 if state else dummy, ht])
     tmas = {_P(0): _tok(bw, w, 64), _P(2): _tok(bq, qg, 64), _P(4): _tok(bkg, kg, 64),
             _P(6): _tok(bu, u, 64), _P(8): _tok(ba, Aqk, 64)}
     n_maps = sum(1 for _, size in prog.params if size == "128")
@@ -460,8 +465,12 @@ def _emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None):
         tmas[_P(10)] = _tok(bg, gk, 128, swizzle=0, rows=1)
     tmas[_P(2 * n_maps - 2)] = _tok(bo, o, 64)
     params = _state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd)
+    if state:
+        names = [n for n, _ in prog.params]
+        params[(names[2 * n_maps + 1], 0)], params[(names[2 * n_maps + 2], 0)] = b0, bt
     _run(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
-    return ti._readback(gmem, o, bo)
+    o = ti._readback(gmem, o, bo)
+    return (o, ti._readback(gmem, ht, bt)) if state else o
 
 
 def _emulate_dhu(qg, kg, w, gk, do, dv, scale, stages, nwg, mod=None, dht=None):
@@ -590,6 +599,23 @@ def test_dhu_ptx_computes_bwd_dhu(monkeypatch, tmp_path, B, T, HV, V, stages, nw
     assert torch.isfinite(dh.float()).all() and torch.isfinite(dv2.float()).all()
     assert ref.rel_err(dh.double(), want_dh) < 5e-3, ref.rel_err(dh.double(), want_dh)
     assert ref.rel_err(dv2.double(), want_dv2) < 5e-3, ref.rel_err(dv2.double(), want_dv2)
+
+
+@pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
+def test_fwd_ptx_with_initial_and_final_state(monkeypatch, tmp_path, stages, nwg, V):
+    """fwd with h0 read and ht written (fp32, through ld / st.global): o and ht match float64
+    (T = 96, one and two warpgroups)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.chdir(tmp_path)
+    kg, w, u, gk = _inputs(B=1, T=96, H=1, HV=1, V=V)
+    q, qg, Aqk = _q_and_aqk(1, 96, 1, gk)
+    h0 = torch.randn(1, 1, 128, V, generator=torch.Generator().manual_seed(5)) * 0.1
+    o, ht = _emulate_fwd(qg, kg, w, u, gk, Aqk, 0.088, stages, nwg, h0=h0)
+    want = rstages.fwd_scan(q.double(), None, kg.double(), w.double(), u.double(), gk.double(),
+                            Aqk.double(), h0.double(), True, 0.088)
+    for got, exp in zip((o, ht), want, strict=True):
+        assert torch.isfinite(got.float()).all()
+        assert ref.rel_err(got.double(), exp) < 5e-3, ref.rel_err(got.double(), exp)
 
 
 @pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
