@@ -21,6 +21,7 @@ import kda_cute.intra as intra
 import torch
 from cuda_clock import median_ms  # bench/ (this script's directory)
 from kda_cute import reference as ref
+from kda_cute._common.support import sm_count
 from kda_cute.reference import rel_err
 
 RCP_LN2 = 1.0 / math.log(2.0)
@@ -212,7 +213,7 @@ def main():
             intra._TUNE.clear()
             intra._TUNE.update(base)
     intra._MIN_CTAS = saved_gate
-    gate = saved_gate if saved_gate is not None else 2 * intra.sm_count(torch.cuda.current_device())
+    gate = saved_gate if saved_gate is not None else 2 * sm_count(torch.cuda.current_device())
     print(f"grid gate: is_supported refuses grids under {gate} CTAs (fla runs those)", flush=True)
     if rows:
         print()

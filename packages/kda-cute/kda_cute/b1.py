@@ -79,7 +79,7 @@ per thread plus the token accumulators would spill).
 import torch
 
 from ._common.cache import CallCache, alloc
-from ._common.support import compile_arch, device_reason, sm_count
+from ._common.support import compile_arch, device_reason, sm_count_of
 
 
 class _LazyScan:
@@ -127,9 +127,7 @@ def variant(B: int, HV: int, V: int, sms: int = DEFAULT_SMS) -> tuple[int, int]:
 
 def sms_of(t: torch.Tensor) -> int:
     """The SM count of `t`'s GPU (DEFAULT_SMS for a CPU tensor: compile-only builds)."""
-    if not t.is_cuda:
-        return DEFAULT_SMS
-    return sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return sm_count_of(t) if t.is_cuda else DEFAULT_SMS
 
 # 64-wide V tiles (B * HV * V/64) below which fla runs. None measured yet: at 128 tiles
 # (B2 T4096 H16 V256) ours is already 1.59x faster than fla (bench/results/scans_2026-11-30.md).

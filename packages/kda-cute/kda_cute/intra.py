@@ -131,7 +131,7 @@ instruction counts double-count; compare the hot loops (between backward branche
 import torch
 
 from ._common.cache import CallCache, alloc
-from ._common.support import compile_arch, device_reason, sm_count
+from ._common.support import compile_arch, device_reason, sm_count_of
 
 BT = 64  # chunk
 BC = 16  # diagonal block
@@ -669,7 +669,7 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
     ctas = B * (T // BT) * HV
     gate = _MIN_CTAS
     if gate is None:
-        gate = 2 * sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        gate = 2 * sm_count_of(q)
     if ctas < gate:
         return f"grid of {ctas} CTAs < {gate}: too small to fill the GPU (fla is faster)"
     return None

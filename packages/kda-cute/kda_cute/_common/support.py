@@ -51,6 +51,11 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def sm_count_of(t: torch.Tensor) -> int:
+    """The SM count of the CUDA device `t` lives on."""
+    return sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def device_reason(t: torch.Tensor) -> str | None:
     """Reason a CuTe sm_90 kernel cannot run on `t`'s device, or None."""
     if t.device.type != "cuda":
