@@ -58,9 +58,7 @@ def main():
         elif a.stage == "dhu":  # the reverse scan, on the same kg / w / gk
             _, qg, _ = emu._q_and_aqk(B, T, HV, gk)
             qg = qg[:, :, ::HV // H].contiguous() if H != HV else qg
-            g = torch.Generator().manual_seed(2)
-            do = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
-            dv = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
+            do, dv = emu._do_dv(B, T, HV, V, torch.Generator().manual_seed(2))
             r = HV // H  # the reference takes qg / kg at the value heads (head hv reads hv // r)
             qg_v, kg_v = (x.double().repeat_interleave(r, 2) for x in (qg, kg))
             dh, _, dv2 = rstages.bwd_dhu(qg_v, kg_v, w.double(), gk.double(), None, None,
@@ -69,10 +67,7 @@ def main():
             for m in mods:
                 outs.append(emu._emulate_dhu(qg, kg, w, gk, do, dv, 0.088, st, wg, m))
         else:
-            g = torch.Generator().manual_seed(1)
-            q = (torch.randn(B, T, HV, 128, generator=g) * 0.1).to(torch.bfloat16)
-            qg = (q.float() * torch.exp2(gk)).to(torch.bfloat16)
-            A = torch.randn(B, T, HV, 64, generator=g).to(torch.bfloat16)  # upper triangle: masked
+            q, qg, A = emu._q_and_aqk(B, T, HV, gk)  # A's upper triangle: garbage the kernel masks
             want = rstages.fwd_scan(q.double(), None, kg.double(), w.double(), u.double(), gk.double(),
                                     A.double(), None, False, 0.088)[:1]
             for m in mods:

@@ -552,9 +552,7 @@ def test_b1_ptx_computes_fwd_h(monkeypatch, tmp_path, B, T, H, HV, V, stages, nw
     kg, w, u, gk = _inputs(B=B, T=T, H=H, HV=HV, V=V)
     h, v_new = _emulate_b1(kg, w, u, gk, stages, nwg)
     want_h, want_v, _ = rstages.fwd_h(kg.double(), w.double(), u.double(), gk.double(), None, False)
-    assert torch.isfinite(h.float()).all() and torch.isfinite(v_new.float()).all()
-    assert ref.rel_err(h.double(), want_h) < 5e-3, ref.rel_err(h.double(), want_h)
-    assert ref.rel_err(v_new.double(), want_v) < 5e-3, ref.rel_err(v_new.double(), want_v)
+    _assert_matches((h, v_new), (want_h, want_v))
 
 
 def _q_and_aqk(B, T, HV, gk, seed=1):
@@ -565,6 +563,20 @@ def _q_and_aqk(B, T, HV, gk, seed=1):
     qg = (q.float() * torch.exp2(gk)).to(torch.bfloat16)
     Aqk = torch.randn(B, T, HV, 64, generator=g).to(torch.bfloat16)
     return q, qg, Aqk
+
+
+def _do_dv(B, T, HV, V, g):
+    """dhu's upstream gradients do, dv (bf16, [B, T, HV, V]) from generator g."""
+    do = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
+    dv = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
+    return do, dv
+
+
+def _assert_matches(got, want, tol=5e-3):
+    """Every output finite (no NaN poison left) and within `tol` of its float64 reference."""
+    for x, exp in zip(got, want, strict=True):
+        assert torch.isfinite(x.float()).all()
+        assert ref.rel_err(x.double(), exp) < tol, ref.rel_err(x.double(), exp)
 
 
 @pytest.mark.parametrize("B, T, HV, V, stages, nwg", [(1, 96, 1, 64, 2, 1), (1, 200, 2, 128, 1, 2)])
@@ -578,8 +590,7 @@ def test_fwd_ptx_computes_fwd_scan(monkeypatch, tmp_path, B, T, HV, V, stages, n
     o = _emulate_fwd(qg, kg, w, u, gk, Aqk, 0.088, stages, nwg)
     want, _ = rstages.fwd_scan(q.double(), None, kg.double(), w.double(), u.double(), gk.double(),
                                Aqk.double(), None, False, 0.088)
-    assert torch.isfinite(o.float()).all()
-    assert ref.rel_err(o.double(), want) < 5e-3, ref.rel_err(o.double(), want)
+    _assert_matches((o,), (want,))
 
 
 @pytest.mark.parametrize("B, T, HV, V, stages, nwg", [(1, 96, 1, 64, 2, 1), (1, 200, 2, 128, 1, 2)])
@@ -590,15 +601,11 @@ def test_dhu_ptx_computes_bwd_dhu(monkeypatch, tmp_path, B, T, HV, V, stages, nw
     monkeypatch.chdir(tmp_path)
     kg, w, u, gk = _inputs(B=B, T=T, H=HV, HV=HV, V=V)
     _, qg, _ = _q_and_aqk(B, T, HV, gk)
-    g = torch.Generator().manual_seed(2)
-    do = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
-    dv = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
+    do, dv = _do_dv(B, T, HV, V, torch.Generator().manual_seed(2))
     dh, dv2 = _emulate_dhu(qg, kg, w, gk, do, dv, 0.088, stages, nwg)
     want_dh, _, want_dv2 = rstages.bwd_dhu(qg.double(), kg.double(), w.double(), gk.double(), None, None,
                                            do.double(), dv.double(), 0.088)
-    assert torch.isfinite(dh.float()).all() and torch.isfinite(dv2.float()).all()
-    assert ref.rel_err(dh.double(), want_dh) < 5e-3, ref.rel_err(dh.double(), want_dh)
-    assert ref.rel_err(dv2.double(), want_dv2) < 5e-3, ref.rel_err(dv2.double(), want_dv2)
+    _assert_matches((dh, dv2), (want_dh, want_dv2))
 
 
 @pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
@@ -613,9 +620,7 @@ def test_fwd_ptx_with_initial_and_final_state(monkeypatch, tmp_path, stages, nwg
     o, ht = _emulate_fwd(qg, kg, w, u, gk, Aqk, 0.088, stages, nwg, h0=h0)
     want = rstages.fwd_scan(q.double(), None, kg.double(), w.double(), u.double(), gk.double(),
                             Aqk.double(), h0.double(), True, 0.088)
-    for got, exp in zip((o, ht), want, strict=True):
-        assert torch.isfinite(got.float()).all()
-        assert ref.rel_err(got.double(), exp) < 5e-3, ref.rel_err(got.double(), exp)
+    _assert_matches((o, ht), want)
 
 
 @pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
@@ -627,16 +632,13 @@ def test_dhu_ptx_with_dht_and_dh0(monkeypatch, tmp_path, stages, nwg, V):
     kg, w, u, gk = _inputs(B=1, T=96, H=1, HV=1, V=V)
     _, qg, _ = _q_and_aqk(1, 96, 1, gk)
     g = torch.Generator().manual_seed(4)
-    do = torch.randn(1, 96, 1, V, generator=g).to(torch.bfloat16)
-    dv = torch.randn(1, 96, 1, V, generator=g).to(torch.bfloat16)
+    do, dv = _do_dv(1, 96, 1, V, g)
     dht = torch.randn(1, 1, 128, V, generator=g) * 0.1
     dh, dv2, dh0 = _emulate_dhu(qg, kg, w, gk, do, dv, 0.088, stages, nwg, dht=dht)
     h0 = torch.zeros(1, 1, 128, V, dtype=torch.float64)
     want = rstages.bwd_dhu(qg.double(), kg.double(), w.double(), gk.double(), h0, dht.double(),
                            do.double(), dv.double(), 0.088)
-    for got, exp in zip((dh, dh0, dv2), want, strict=True):
-        assert torch.isfinite(got.float()).all()
-        assert ref.rel_err(got.double(), exp) < 5e-3, ref.rel_err(got.double(), exp)
+    _assert_matches((dh, dh0, dv2), want)
 
 
 @pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
@@ -649,6 +651,4 @@ def test_b1_ptx_with_initial_and_final_state(monkeypatch, tmp_path, stages, nwg,
     h0 = torch.randn(1, 1, 128, V, generator=torch.Generator().manual_seed(3)) * 0.1
     h, v_new, ht = _emulate_b1(kg, w, u, gk, stages, nwg, h0=h0)
     want = rstages.fwd_h(kg.double(), w.double(), u.double(), gk.double(), h0.double(), True)
-    for got, exp in zip((h, v_new, ht), want, strict=True):
-        assert torch.isfinite(got.float()).all()
-        assert ref.rel_err(got.double(), exp) < 5e-3, ref.rel_err(got.double(), exp)
+    _assert_matches((h, v_new, ht), want)
