@@ -63,15 +63,11 @@ for s in $steps; do
         --benchmark-columns=median,iqr,rounds ;;
     candidates)  # A/B of bench/candidates' patches against main (bench/candidates/prepare.sh first,
                  # here: alt/ travels); outputs compared bitwise, fla in the same process
-      b1alts=$(for d in alt/b1-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
-      fwdalts=$(for d in alt/fwd-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
-      [ -n "$b1alts" ] && step ab_b1 ${AB_LIMIT:-150} python bench/ab_stage.py --stage b1 --no-h0 --inner 3 \
-        --shape ref --shape small $b1alts ${CAND_VARS:---var 2,1}
-      [ -n "$fwdalts" ] && step ab_fwd ${AB_LIMIT:-150} python bench/ab_stage.py --stage fwd --no-h0 --inner 3 \
-        --shape ref --shape small $fwdalts ${CAND_VARS:---var 2,1}
-      dhualts=$(for d in alt/dhu-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
-      [ -n "$dhualts" ] && step ab_dhu ${AB_LIMIT:-150} python bench/ab_stage.py --stage dhu --no-h0 --inner 3 \
-        --shape ref --shape small $dhualts ${CAND_VARS:---var 2,1}
+      for st in b1 fwd dhu; do  # alt/<stage>-<name>/ for each candidate of that stage
+        alts=$(for d in alt/$st-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
+        [ -n "$alts" ] && step ab_$st ${AB_LIMIT:-150} python bench/ab_stage.py --stage $st --no-h0 --inner 3 \
+          --shape ref --shape small $alts ${CAND_VARS:---var 2,1}
+      done
       ;;
     bandwidth)  # DRAM bandwidth by read / write mix (~20 s): the ceiling a memory-bound stage meets
       step bandwidth 120 python bench/bandwidth.py ;;
