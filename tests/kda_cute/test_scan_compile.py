@@ -157,11 +157,11 @@ def test_chain_offers_the_three_scans(monkeypatch):
     assert r.startswith("qg not computed by fwd_intra")
 
 
-@pytest.mark.parametrize("stage, narrow_one_wave", [("b1", (4, 1)), ("fwd", (2, 1))])
+@pytest.mark.parametrize("stage, narrow_one_wave", [("b1", (4, 1)), ("fwd", (2, 1)), ("dhu", (2, 1))])
 def test_variant_by_grid(stage, narrow_one_wave):
     """Two warpgroups x 2 stages once the grid has WIDE_FROM_TILES V tiles (V % 128 == 0), else
-    one warpgroup: b1 with 4 stages while the grid fits the SMs in one wave, 2 beyond; fwd 2."""
-    mod = {"b1": b1, "fwd": fwd}[stage]
+    one warpgroup: b1 with 4 stages while the grid fits the SMs in one wave, 2 beyond; fwd, dhu 2."""
+    mod = {"b1": b1, "fwd": fwd, "dhu": dhu}[stage]
     assert mod.variant(16, 16, 256) == (2, 2)  # the reference shape: 1024 V tiles
     assert mod.variant(4, 16, 256) == (2, 2)  # 256 tiles
     assert mod.variant(2, 16, 256) == narrow_one_wave  # 128 tiles

@@ -35,11 +35,29 @@ import torch
 
 from ._common.cache import CallCache, alloc
 from ._common.support import compile_arch, device_reason
-from .b1 import _DT, S, _cutlass_dtype, _dummy, extent_reason, floor_reason, state_reason
+from .b1 import (
+    _DT,
+    WIDE_FROM_TILES,
+    S,
+    _cutlass_dtype,
+    _dummy,
+    extent_reason,
+    floor_reason,
+    state_reason,
+    wide_grid,
+)
 
 STAGES = 2
-# two V tiles per CTA: 1.845 ms vs 2.159 (one) at B16 T8192 H16 V256 (fla 3.080); V % 128 != 0 uses one
-WARPGROUPS = 2
+# Warpgroups (V tiles) per CTA, by grid, b1's and fwd's rule: two from WIDE_FROM_TILES V tiles, one
+# below (H200, 2026-12-01, logs/ab_candidates_2026-12-01r, bitwise equal): at B16 T8192 H16 V256
+# (1024 tiles) two take 1.834 ms vs one's 2.147 (fla 3.055); at B2 T4096 (128 tiles) one takes
+# 0.158 vs two's 0.197 (fla 0.224): two warpgroups halve the grid, and under one wave of SMs
+# that idles half the machine.
+
+
+def variant(B: int, HV: int, V: int) -> tuple[int, int]:
+    """(stages, warpgroups) for this grid (see above)."""
+    return (STAGES, 2) if wide_grid(B, HV, V, WIDE_FROM_TILES) else (STAGES, 1)
 # 64-wide V tiles (B * HV * V/64) below which fla runs: at 64 tiles (B2 T4096 H16 V128) ours took
 # 0.249 ms against fla's 0.210 (stage bench, H200 2026-11-30); at 128 (V256) 0.195 vs 0.282.
 GRID_FLOOR = 128
@@ -311,7 +329,9 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
 
 def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
     B, T, HV, V = do.shape
-    nwg = S.pick_warpgroups(V, WARPGROUPS if warpgroups is None else warpgroups)
+    auto_stages, auto_wg = variant(B, HV, V)
+    stages = auto_stages if stages is None else stages
+    nwg = S.pick_warpgroups(V, auto_wg if warpgroups is None else warpgroups)
     K = w.shape[-1]
     if scale is None:
         scale = K**-0.5
@@ -369,13 +389,13 @@ def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
     return (dh, dh0, dv2), key, args, dyn, cfg
 
 
-def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES, warpgroups=None):
+def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
     """Compile without launching (CPU tests); returns the compiled object."""
     _, _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
     return S.compile_only(cfg, args, dyn)
 
 
-def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES, warpgroups=None):
+def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
     """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2).
     `stages` / `warpgroups`: the compiled variant (see b1.fwd_h). Raises ValueError on a call the
     kernel cannot compute (shape, dtype, layout, device)."""
@@ -385,7 +405,7 @@ def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES,
     return launch(qg, kg, w, gk, h0, dht, do, dv, scale, stages=stages, warpgroups=warpgroups)
 
 
-def launch(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages: int = STAGES, warpgroups=None):
+def launch(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
     """`bwd_dhu` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
     outs, key, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
