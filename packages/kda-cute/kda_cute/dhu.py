@@ -22,13 +22,19 @@ Measured on the H200 (2026-11-30): correctness as in `kda_cute._scan`'s docstrin
 Speed at B16 T8192 H16 V256 bf16, same run: 1.845 ms (2 stages, two V tiles per CTA sharing the
 kg / qg / w tiles) vs fla's bwd_dhu 3.080 ms = 1.67x (target 1.6x / 1.85 ms: met, narrowly);
 one V tile per CTA 2.159 (2 stages) / 2.055 (1 stage). B2 T4096: 0.223 vs 0.322 ms (1.44x).
+Sixth session (2026-12-01, bench/results/scans_2026-12-01.md): 1.834 vs 3.055 ms (1.67x); one
+warpgroup below 256 V tiles (`variant`): B2 T4096 V256 0.158 vs 0.224 (1.42x; two took 0.197).
 
 Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
 chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
 it from the smem copy the checkpoint store needs anyway); a producer warp + empty barriers
 (unneeded: the consumers are the only smem readers and a CTA barrier already orders them
 before the refill); a 128-wide V tile in one warpgroup (128 fp32 state registers per thread
-plus the token accumulators would spill).
+plus the token accumulators would spill); b1's register-A form (the transposed state as the
+A operand from registers; 2026-12-01: 1.885 vs 1.834 ms at the reference shape, 3% slower in the
+two-warpgroup build it runs there, 10% faster only with one warpgroup); L2 evict-first hints on
+the TMA loads / stores (measured on b1 and fwd: 2-16% slower, the other V half's CTA re-reads
+kg / w from L2).
 """
 
 import torch
