@@ -3,11 +3,13 @@
 dhu uses the skeleton below. b1 and fwd keep the TMA ring, the views and the tile shapes but
 hold the state transposed, with every token GEMM taking A from registers (`make_rs_mma`,
 `acc_as_a`; bitwise equal to this skeleton and faster: b1 2% at the reference shape, fwd 19%
-with its double-buffered o stores; see `kda_cute.b1`, `kda_cute.fwd`); dhu has not been moved
-to it yet (a candidate: fwd gained most). The skeleton:
+with its double-buffered o stores; see `kda_cute.b1`, `kda_cute.fwd`). dhu stays on it: in
+the register-A form it was 3% slower in the two-warpgroup build the reference shape runs
+(1.885 vs 1.834 ms, H200 2026-12-01; see `kda_cute.dhu`). The skeleton:
 
   * one warpgroup (128 threads) per (b, hv, 64-wide V tile); a CTA holds `nwg` of them
-    (grid (V / (64 nwg), HV, B)). nwg = 1 is the default; nwg = 2 (V % 128 == 0) puts two V
+    (grid (V / (64 nwg), HV, B)); each stage's `variant()` picks it by grid (2 from 256 V
+    tiles, where the grid still fills the SMs; 1 below). nwg = 2 (V % 128 == 0) puts two V
     tiles of one (b, hv) in a CTA so they share every V-independent operand tile (w, kg, qg,
     Aqk and gk's row) in smem: half the L2->SM traffic and smem for those, and two stages of
     prefetch fit where nwg = 1 fits one at two CTAs per SM. Each warpgroup keeps its own
