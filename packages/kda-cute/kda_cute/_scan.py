@@ -86,6 +86,13 @@ def pick_warpgroups(V: int, requested) -> int:
     return n if V % (BV * n) == 0 else 1
 
 
+def pick_build(auto: tuple[int, int], stages, warpgroups, V: int) -> tuple[int, int]:
+    """(stages, warpgroups) to compile: the stage's `variant()` choice `auto`, each overridden
+    by a caller's explicit value, warpgroups through `pick_warpgroups`."""
+    return (auto[0] if stages is None else stages,
+            pick_warpgroups(V, auto[1] if warpgroups is None else warpgroups))
+
+
 def make_mma(dtype, a_k_major: bool, b_k_major: bool):
     """One-warpgroup wgmma, 64 x 64 x 16 atom, fp32 accumulate."""
     return sm90_utils.make_trivial_tiled_mma(

@@ -432,9 +432,7 @@ def _compile_key(kg, u, initial_state, output_final_state, stages, nwg):
 
 def _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups):
     B, T, HV, V = u.shape
-    auto_stages, auto_wg = variant(B, HV, V, sms_of(u))
-    stages = auto_stages if stages is None else stages
-    nwg = S.pick_warpgroups(V, auto_wg if warpgroups is None else warpgroups)
+    stages, nwg = S.pick_build(variant(B, HV, V, sms_of(u)), stages, warpgroups, V)
     K = kg.shape[-1]
     NT = (T + S.BT - 1) // S.BT
     dev = u.device

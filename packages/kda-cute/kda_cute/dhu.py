@@ -335,9 +335,7 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
 
 def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
     B, T, HV, V = do.shape
-    auto_stages, auto_wg = variant(B, HV, V)
-    stages = auto_stages if stages is None else stages
-    nwg = S.pick_warpgroups(V, auto_wg if warpgroups is None else warpgroups)
+    stages, nwg = S.pick_build(variant(B, HV, V), stages, warpgroups, V)
     K = w.shape[-1]
     if scale is None:
         scale = K**-0.5

@@ -377,9 +377,7 @@ def plan_reason(q, v, initial_state=None) -> str | None:
 
 def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups):
     B, T, HV, V = u.shape
-    auto_stages, auto_wg = variant(B, HV, V)
-    stages = auto_stages if stages is None else stages
-    nwg = S.pick_warpgroups(V, auto_wg if warpgroups is None else warpgroups)
+    stages, nwg = S.pick_build(variant(B, HV, V), stages, warpgroups, V)
     K = kg.shape[-1]
     if scale is None:
         scale = K**-0.5
