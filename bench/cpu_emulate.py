@@ -18,10 +18,12 @@ import importlib
 import os
 import pathlib
 import sys
+import tempfile
 
 import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="kda-cute-dsl-"))  # not the checkout
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "kda_cute"))
 
 import test_scan_ptx as emu  # noqa: E402

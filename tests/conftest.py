@@ -2,12 +2,17 @@
 sm_90a, so CPU runs (CI) compile for that. GPU tests live in tests/gpu/ and skip without CUDA."""
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# PTX kept for the tests that read it (`__ptx__`) is also written to the DSL's dump directory,
+# which it reads once per process (default: the working directory then, i.e. the checkout; a
+# test's chdir comes too late): send it to a temporary directory instead.
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="kda-cute-dsl-"))
 
 
 def pytest_collection_modifyitems(config, items):

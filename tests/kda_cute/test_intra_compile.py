@@ -92,13 +92,12 @@ def _readback(gmem, t, base):
 TF32_EPS = 2.0**-11
 
 
-def test_compiles_for_sm90a_and_the_ptx_computes_the_contract(monkeypatch, tmp_path):
+def test_compiles_for_sm90a_and_the_ptx_computes_the_contract(monkeypatch):
     """The sm_90a PTX of the kernel (tf32 mma.sync cross sums), fold_dg on, executed by a PTX
     interpreter on CPU: dq, dk, db, dg match the float64 reference to tf32 accuracy; every
     output written."""
     ref = pytest.importorskip("kda_cute.reference")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     a = _args(B=1, T=64, H=1, HV=1, K=128)
     a[2] = (-0.7 * torch.rand(1, 64, 1, 128)).cumsum(1) / 0.6931471805599453
@@ -119,11 +118,10 @@ def test_compiles_for_sm90a_and_the_ptx_computes_the_contract(monkeypatch, tmp_p
         assert ref.rel_err(x, w) < TF32_EPS, (name, ref.rel_err(x, w))
 
 
-def test_emit_bf16_ptx_writes_the_cast_of_the_fp32_result(monkeypatch, tmp_path):
+def test_emit_bf16_ptx_writes_the_cast_of_the_fp32_result(monkeypatch):
     """emit_bf16 (the chain's build when HV == H): its PTX, run by the interpreter, writes dq and
     dk equal bit for bit to the bf16 cast of the fp32 build's dq and dk, and the same db, dg."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.chdir(tmp_path)
     torch.manual_seed(2)
     a = _args(B=1, T=64, H=1, HV=1, K=128)
     a[2] = (-0.7 * torch.rand(1, 64, 1, 128)).cumsum(1) / 0.6931471805599453
@@ -137,13 +135,12 @@ def test_emit_bf16_ptx_writes_the_cast_of_the_fp32_result(monkeypatch, tmp_path)
         assert torch.equal(x, w), name
 
 
-def test_k64_gva_strong_gate_fp16(monkeypatch, tmp_path):
+def test_k64_gva_strong_gate_fp16(monkeypatch):
     """K = 64 (four thread groups), GVA, fp16 q / k, gates near -5 per step: the PTX runs in the
     interpreter and matches float64 to tf32 accuracy."""
     K = 64
     ref = pytest.importorskip("kda_cute.reference")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.chdir(tmp_path)
     torch.manual_seed(1)
     a = _args(B=1, T=64, H=1, HV=2 if K == 64 else 1, K=K, dtype=torch.float16)
     a[2] = (-5.0 * torch.rand(*a[2].shape)).cumsum(1) / 0.6931471805599453

@@ -42,10 +42,9 @@ def _check(compiled, name):
 
 
 @pytest.fixture(autouse=True)
-def _sm90(monkeypatch, tmp_path):
+def _sm90(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.setenv("CUTE_DSL_KEEP", "ptx")
-    monkeypatch.chdir(tmp_path)
 
 
 def test_b1_compiles():

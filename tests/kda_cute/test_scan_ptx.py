@@ -529,6 +529,12 @@ def _inputs(B=1, T=96, H=1, HV=1, V=64, dtype=torch.bfloat16, seed=0):
     return kg, w, u, gk.contiguous()
 
 
+@pytest.fixture
+def sm90a(monkeypatch):
+    """Compile for sm_90a (also on a GPU machine, whose default arch is its own)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+
+
 # (B, T, H, HV, V, stages, warpgroups): a full + a ragged chunk; GVA with two warpgroups and a
 # four-chunk ragged T; one chunk at three stages; two sequences; the one-wave build (4 stages x 1
 # warpgroup, `b1.variant` under one wave of SMs) over six ragged chunks, so the ring wraps. ~10 s
@@ -543,12 +549,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("B, T, H, HV, V, stages, nwg", CASES)
-def test_b1_ptx_computes_fwd_h(monkeypatch, tmp_path, B, T, H, HV, V, stages, nwg):
+def test_b1_ptx_computes_fwd_h(sm90a, B, T, H, HV, V, stages, nwg):
     """b1's sm_90a PTX, interpreted on CPU for every CTA: h and v_new match the float64
     reference to bf16 accuracy (measured 1.4e-3..2.7e-3; a wrong index, buffer or phase is O(1)
     off or leaves the NaN poison), every element written."""
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.chdir(tmp_path)
     kg, w, u, gk = _inputs(B=B, T=T, H=H, HV=HV, V=V)
     h, v_new = _emulate_b1(kg, w, u, gk, stages, nwg)
     want_h, want_v, _ = rstages.fwd_h(kg.double(), w.double(), u.double(), gk.double(), None, False)
@@ -580,11 +584,9 @@ def _assert_matches(got, want, tol=5e-3):
 
 
 @pytest.mark.parametrize("B, T, HV, V, stages, nwg", [(1, 96, 1, 64, 2, 1), (1, 200, 2, 128, 1, 2)])
-def test_fwd_ptx_computes_fwd_scan(monkeypatch, tmp_path, B, T, HV, V, stages, nwg):
+def test_fwd_ptx_computes_fwd_scan(sm90a, B, T, HV, V, stages, nwg):
     """kda_cute_fwd's PTX (A operands from shared memory, both majors), interpreted: o matches
     float64 to bf16 accuracy (measured 2.0e-3 / 2.7e-3)."""
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.chdir(tmp_path)
     kg, w, u, gk = _inputs(B=B, T=T, H=HV, HV=HV, V=V)
     q, qg, Aqk = _q_and_aqk(B, T, HV, gk)
     o = _emulate_fwd(qg, kg, w, u, gk, Aqk, 0.088, stages, nwg)
@@ -594,11 +596,9 @@ def test_fwd_ptx_computes_fwd_scan(monkeypatch, tmp_path, B, T, HV, V, stages, n
 
 
 @pytest.mark.parametrize("B, T, HV, V, stages, nwg", [(1, 96, 1, 64, 2, 1), (1, 200, 2, 128, 1, 2)])
-def test_dhu_ptx_computes_bwd_dhu(monkeypatch, tmp_path, B, T, HV, V, stages, nwg):
+def test_dhu_ptx_computes_bwd_dhu(sm90a, B, T, HV, V, stages, nwg):
     """kda_cute_dhu's PTX (the reverse scan), interpreted: dh and dv2 match float64 to bf16
     accuracy (measured 1.6e-3 / 2.7e-3)."""
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.chdir(tmp_path)
     kg, w, u, gk = _inputs(B=B, T=T, H=HV, HV=HV, V=V)
     _, qg, _ = _q_and_aqk(B, T, HV, gk)
     do, dv = _do_dv(B, T, HV, V, torch.Generator().manual_seed(2))
@@ -609,11 +609,9 @@ def test_dhu_ptx_computes_bwd_dhu(monkeypatch, tmp_path, B, T, HV, V, stages, nw
 
 
 @pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
-def test_fwd_ptx_with_initial_and_final_state(monkeypatch, tmp_path, stages, nwg, V):
+def test_fwd_ptx_with_initial_and_final_state(sm90a, stages, nwg, V):
     """fwd with h0 read and ht written (fp32, through ld / st.global): o and ht match float64
     (T = 96, one and two warpgroups)."""
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.chdir(tmp_path)
     kg, w, u, gk = _inputs(B=1, T=96, H=1, HV=1, V=V)
     q, qg, Aqk = _q_and_aqk(1, 96, 1, gk)
     h0 = torch.randn(1, 1, 128, V, generator=torch.Generator().manual_seed(5)) * 0.1
@@ -624,11 +622,9 @@ def test_fwd_ptx_with_initial_and_final_state(monkeypatch, tmp_path, stages, nwg
 
 
 @pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
-def test_dhu_ptx_with_dht_and_dh0(monkeypatch, tmp_path, stages, nwg, V):
+def test_dhu_ptx_with_dht_and_dh0(sm90a, stages, nwg, V):
     """dhu with dht read and dh0 written (fp32, through ld / st.global): dh, dv2 and dh0 match
     float64 (T = 96, one and two warpgroups)."""
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.chdir(tmp_path)
     kg, w, u, gk = _inputs(B=1, T=96, H=1, HV=1, V=V)
     _, qg, _ = _q_and_aqk(1, 96, 1, gk)
     g = torch.Generator().manual_seed(4)
@@ -642,11 +638,9 @@ def test_dhu_ptx_with_dht_and_dh0(monkeypatch, tmp_path, stages, nwg, V):
 
 
 @pytest.mark.parametrize("stages, nwg, V", [(2, 1, 64), (2, 2, 128)])
-def test_b1_ptx_with_initial_and_final_state(monkeypatch, tmp_path, stages, nwg, V):
+def test_b1_ptx_with_initial_and_final_state(sm90a, stages, nwg, V):
     """b1 with h0 read and ht written (fp32, through ld / st.global): h, v_new and ht match
     float64 (T = 96, one and two warpgroups)."""
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.chdir(tmp_path)
     kg, w, u, gk = _inputs(B=1, T=96, H=1, HV=1, V=V)
     h0 = torch.randn(1, 1, 128, V, generator=torch.Generator().manual_seed(3)) * 0.1
     h, v_new, ht = _emulate_b1(kg, w, u, gk, stages, nwg, h0=h0)
