@@ -4,7 +4,7 @@
 # triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
 #   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench bandwidth ncu
-#                                     candidates save savecache (default: all but fp16, bandwidth,
+#                                     candidates ceiling save savecache (default: all but fp16, bandwidth, ceiling,
 #                                     ncu, candidates)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
@@ -69,6 +69,10 @@ for s in $steps; do
           --shape ref --shape small $alts ${CAND_VARS:---var 2,1}
       done
       ;;
+    ceiling)  # b1 against its bytes: streaming kernels with its mix / pattern, the three clocks,
+              # wave quantization; with alt/b1-* candidates (bench/candidates/prepare.sh) beside main
+      alts=$(for d in alt/b1-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
+      step b1_ceiling ${CEIL_LIMIT:-240} python bench/b1_ceiling.py $alts ;;
     bandwidth)  # DRAM bandwidth by read / write mix (~20 s): the ceiling a memory-bound stage meets
       step bandwidth 120 python bench/bandwidth.py ;;
     ncu)  # Nsight Compute: NCU_STAGE's CuTe kernel (default b1 without a state): the details page

@@ -1,0 +1,212 @@
+"""How close kda_cute_b1 is to what its bytes allow, and how its ratio to fla depends on the clock.
+
+b1's contract (issue #5) fixes its bytes: it reads kg, w, u and writes h (every chunk) and v_new
+in fla's layouts, 5.39 GB at B16 T8192 H=HV=16 K128 V256 bf16, 60% of it writes. This script puts
+four numbers side by side in one process on one GPU:
+
+1. the same bytes in plain streaming kernels (Triton, no math worth the name):
+   - `mix 2:3`: two contiguous reads and three contiguous writes of b1's exact byte counts (the
+     read/write mix with no layout at all);
+   - `pattern BV=128`: b1's grid (V tiles of 128, HV, B) and tiles (kg / w [64, 128] and u [64, BV]
+     per chunk read, h [128, BV] and v_new [64, BV] per chunk written) in fla's layouts: the
+     access pattern with no recurrence;
+   - `pattern BV=256`: the same with one program per (b, hv): h rows written whole (512 B).
+2. kda_cute_b1 and fla's fwd_h, without and with an initial state, timed three ways: one call
+   from an idle GPU (host work counted), three calls back to back (cuda_clock's inner=3, what
+   check_scans and ab_stage use), and primed (device time only: cuda_clock's primed); plus the
+   kernels' own durations from torch.profiler.
+3. the grid's wave quantization: 512 CTAs (3.88 waves of 132 SMs) against a 528-CTA grid (B33
+   H=HV=8: 4.00 waves), as time per GB.
+4. with --alt: a candidate package's b1 (bench/candidates/b1-bytesonly.patch drops the two GEMMs:
+   the same TMA ring, stores and barriers with no recurrence).
+
+    python bench/b1_ceiling.py [--alt alt/b1-bytesonly/packages/kda-cute/kda_cute]
+"""
+
+import argparse
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+from cuda_clock import median_ms
+
+K, V, BT = 128, 256, 64
+
+
+@triton.jit
+def _mix23(x, y, a, b, c, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    bx = tl.load(x + i, mask=m)
+    by = tl.load(y + i, mask=m)
+    tl.store(a + i, bx, mask=m)
+    tl.store(b + i, by, mask=m)
+    tl.store(c + i, bx + by, mask=m)
+
+
+@triton.jit
+def _pattern(kg, w, u, h, vn, T, NT, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BV: tl.constexpr):
+    iv, ihv, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    acc = tl.zeros([K, BV], dtype=tl.float32)
+    rt, rk, rv = tl.arange(0, BT), tl.arange(0, K), iv * BV + tl.arange(0, BV)
+    base_k = (ib.to(tl.int64) * T * HV + ihv) * K
+    base_v = (ib.to(tl.int64) * T * HV + ihv) * V
+    for ci in range(NT):
+        t = ci * BT + rt
+        o_k = base_k + t[:, None] * (HV * K) + rk[None, :]  # kg / w [BT, K] (H = HV here)
+        o_v = base_v + t[:, None] * (HV * V) + rv[None, :]  # u / v_new [BT, BV]
+        o_h = ((ib.to(tl.int64) * NT + ci) * HV + ihv) * K * V + rk[:, None] * V + rv[None, :]
+        tl.store(h + o_h, acc.to(h.dtype.element_ty))
+        b_kg = tl.load(kg + o_k).to(tl.float32)
+        b_w = tl.load(w + o_k).to(tl.float32)
+        b_u = tl.load(u + o_v).to(tl.float32)
+        tl.store(vn + o_v, (b_u + tl.sum(b_w, 1)[:, None]).to(vn.dtype.element_ty))
+        acc = acc * 0.5 + tl.sum(b_kg, 0)[:, None]
+
+
+def _gb(B, T, H, HV):
+    NT = -(-T // BT)
+    rd = 2 * B * T * (H + HV) * K + 2 * B * T * HV * V
+    wr = 2 * B * NT * HV * K * V + 2 * B * T * HV * V
+    return rd / 1e9, wr / 1e9
+
+
+def profiler_ms(fn, name_part: str, calls: int = 10) -> float:
+    """Mean duration of the kernels whose name holds name_part, from a torch.profiler trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    us = [e.device_time for e in prof.events() if name_part in e.name and e.device_time > 0]
+    return statistics.median(us) / 1e3 if us else float("nan")
+
+
+def streaming_rows():
+    B, T, H, HV = 16, 8192, 16, 16
+    rd, wr = _gb(B, T, H, HV)
+    print(f"\n## streaming kernels with b1's bytes (reads {rd:.2f} GB, writes {wr:.2f} GB)")
+    print("| kernel | ms | TB/s |\n|---|---|---|")
+    n = int(rd * 1e9 / 2 / 2)  # bf16 elements of each read operand
+    x, y = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    wn = int(wr * 1e9 / 2 / 3)
+    a, b_, c = (torch.empty(wn, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    m = min(n, wn)
+    blk = 4096
+    ms = median_ms(lambda: _mix23[(triton.cdiv(m, blk),)](x, y, a, b_, c, m, BLOCK=blk, num_warps=8),
+                   warmup=3, reps=20, primed=True)
+    gb = (2 * m + 3 * m) * 2 / 1e9
+    print(f"| mix 2:3 contiguous ({gb:.2f} GB) | {ms:.3f} | {gb / ms:.2f} |", flush=True)
+
+
+def pattern_rows():
+    B, T, H, HV = 16, 8192, 16, 16
+    rd, wr = _gb(B, T, H, HV)
+    NT = T // BT
+    kg = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(B, T, HV, K, device="cuda", dtype=torch.bfloat16)
+    u = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
+    h = torch.empty(B, NT, HV, K, V, device="cuda", dtype=torch.bfloat16)
+    vn = torch.empty_like(u)
+    for bv, nw, ns in ((128, 8, 2), (128, 8, 3), (256, 16, 2)):
+        def f(bv=bv, nw=nw, ns=ns):
+            _pattern[(V // bv, HV, B)](kg, w, u, h, vn, T, NT, HV=HV, K=K, V=V, BT=BT, BV=bv,
+                                       num_warps=nw, num_stages=ns)
+        try:
+            ms = median_ms(f, warmup=3, reps=20, primed=True)
+        except Exception as e:  # noqa: BLE001  (a config Triton cannot build: say so, go on)
+            print(f"| pattern BV={bv} warps={nw} stages={ns} | failed: {str(e).splitlines()[0][:100]} | |")
+            continue
+        print(f"| pattern BV={bv} warps={nw} stages={ns} | {ms:.3f} | {(rd + wr) / ms:.2f} |", flush=True)
+
+
+def stage_rows(alts):
+    import check_scans as cs
+    from ab_stage import load_alt, stage_fns
+
+    pkgs = {"main": "kda_cute"}
+    for i, p in enumerate(alts):
+        pkgs[f"alt{i}"] = load_alt(p, i)
+        print(f"alt{i} = {p}")
+    print("\n## b1 vs fla fwd_h, B16 T8192 H=HV=16 K128 V256 bf16 (ms; 5 rounds, median)")
+    print("| h0 | contender | idle 1 call | 3 back to back | primed | profiler kernel | GB/s... |")
+    print("|---|---|---|---|---|---|---|")
+    rd, wr = _gb(16, 8192, 16, 16)
+    for h0 in (False, True):
+        d = cs.make_inputs(16, 8192, 16, 16, V, h0=h0)
+        fns = {}
+        for tag, pkg in pkgs.items():
+            fns.update(stage_fns("b1", pkg, d, tag))
+        fns["fla"] = lambda d=d: cs.fla_b1(d)
+        t = {k: {"idle": [], "inner3": [], "primed": []} for k in fns}
+        for _ in range(5):
+            for k, f in fns.items():
+                t[k]["idle"].append(median_ms(f, warmup=2, reps=10))
+                t[k]["inner3"].append(median_ms(f, warmup=1, reps=10, inner=3))
+                t[k]["primed"].append(median_ms(f, warmup=1, reps=10, primed=True))
+        prof = {k: profiler_ms(f, "chunk_gated_delta_rule_fwd_kernel" if k == "fla" else "kda_cute_b1")
+                for k, f in fns.items()}
+        med = {k: {m: statistics.median(v) for m, v in tk.items()} for k, tk in t.items()}
+        for k in fns:
+            r = med[k]
+            ratio = " ".join(f"{med['fla'][m] / r[m]:.2f}x" for m in ("idle", "inner3", "primed"))
+            print(f"| {h0} | {k} | {r['idle']:.3f} | {r['inner3']:.3f} | {r['primed']:.3f} | {prof[k]:.3f}"
+                  f" | fla/this {ratio} {med_prof(prof, k)}; {(rd + wr) / r['primed']:.2f} TB/s primed |",
+                  flush=True)
+        del d, fns
+        torch.cuda.empty_cache()
+
+
+def med_prof(prof, k):
+    return f"(profiler {prof['fla'] / prof[k]:.2f}x)"
+
+
+def _random_inputs(B, T, H):
+    """kg, w, u, gk for a timing-only b1 call (values do not change its time; fla's intra, which
+    check_scans uses for realistic inputs, would autotune at each new H)."""
+    kg, w = (0.1 * torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    u = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+    gk = -0.1 * torch.rand(B, T, H, K, device="cuda").view(B, T // BT, BT, H, K).cumsum(2).view(B, T, H, K)
+    return kg, w, u, gk
+
+
+def quantization_rows():
+    import kda_cute.b1 as b1
+
+    print("\n## wave quantization: time per GB, kda_cute_b1 (primed, no h0)")
+    print("| shape | CTAs | waves of 132 | ms | GB | TB/s |\n|---|---|---|---|---|---|")
+    for B, H in ((16, 16), (33, 8)):
+        d = _random_inputs(B, 8192, H)
+        ms = statistics.median(median_ms(lambda d=d: b1.fwd_h(*d), warmup=2, reps=10, primed=True)
+                               for _ in range(3))
+        rd, wr = _gb(B, 8192, H, H)
+        ctas = B * H * V // 128
+        print(f"| B{B} T8192 H=HV={H} | {ctas} | {ctas / 132:.2f} | {ms:.3f} | {rd + wr:.2f} |"
+              f" {(rd + wr) / ms:.2f} |", flush=True)
+        del d
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--alt", action="append", default=[], help="a candidate kda_cute package directory")
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    import check_scans as cs
+
+    cs.tune_fla_at_ref()  # fla's autotune at the reference shape first (bench/NOTES.md)
+    stage_rows(a.alt)
+    streaming_rows()
+    torch.cuda.empty_cache()
+    pattern_rows()
+    torch.cuda.empty_cache()
+    quantization_rows()
+
+
+if __name__ == "__main__":
+    main()
