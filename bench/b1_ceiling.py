@@ -97,11 +97,15 @@ def streaming_rows():
     wn = int(wr * 1e9 / 2 / 3)
     a, b_, c = (torch.empty(wn, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     m = min(n, wn)
-    blk = 4096
-    ms = median_ms(lambda: _mix23[(triton.cdiv(m, blk),)](x, y, a, b_, c, m, BLOCK=blk, num_warps=8),
-                   warmup=3, reps=20, primed=True)
     gb = (2 * m + 3 * m) * 2 / 1e9
-    print(f"| mix 2:3 contiguous ({gb:.2f} GB) | {ms:.3f} | {gb / ms:.2f} |", flush=True)
+    for blk, nw in ((4096, 8), (8192, 8), (16384, 16), (2048, 4)):
+        ms = median_ms(lambda blk=blk, nw=nw: _mix23[(triton.cdiv(m, blk),)](x, y, a, b_, c, m, BLOCK=blk,
+                                                                             num_warps=nw),
+                       warmup=3, reps=20, primed=True)
+        print(f"| mix 2:3 contiguous ({gb:.2f} GB), block {blk}, {nw} warps | {ms:.3f} | {gb / ms:.2f} |",
+              flush=True)
+    ms = median_ms(lambda: a.copy_(x[: a.numel()]), warmup=3, reps=20, primed=True)
+    print(f"| torch copy 1:1 ({4 * a.numel() / 1e9:.2f} GB) | {ms:.3f} | {4 * a.numel() / 1e9 / ms:.2f} |")
 
 
 def pattern_rows():
@@ -195,17 +199,21 @@ def quantization_rows():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--alt", action="append", default=[], help="a candidate kda_cute package directory")
+    ap.add_argument("--parts", default="stages,streaming,pattern,quantization",
+                    help="comma-separated subset of the four tables")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     import check_scans as cs
 
-    cs.tune_fla_at_ref()  # fla's autotune at the reference shape first (bench/NOTES.md)
-    stage_rows(a.alt)
-    streaming_rows()
-    torch.cuda.empty_cache()
-    pattern_rows()
-    torch.cuda.empty_cache()
-    quantization_rows()
+    if "stages" in parts:
+        cs.tune_fla_at_ref()  # fla's autotune at the reference shape first (bench/NOTES.md)
+        stage_rows(a.alt)
+    for name, fn in (("streaming", streaming_rows), ("pattern", pattern_rows),
+                     ("quantization", quantization_rows)):
+        if name in parts:
+            fn()
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ for s in $steps; do
     ceiling)  # b1 against its bytes: streaming kernels with its mix / pattern, the three clocks,
               # wave quantization; with alt/b1-* candidates (bench/candidates/prepare.sh) beside main
       alts=$(for d in alt/b1-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
-      step b1_ceiling ${CEIL_LIMIT:-240} python bench/b1_ceiling.py $alts ;;
+      step b1_ceiling ${CEIL_LIMIT:-240} python bench/b1_ceiling.py $alts ${CEIL_PARTS:+--parts $CEIL_PARTS} ;;
     bandwidth)  # DRAM bandwidth by read / write mix (~20 s): the ceiling a memory-bound stage meets
       step bandwidth 120 python bench/bandwidth.py ;;
     ncu)  # Nsight Compute: NCU_STAGE's CuTe kernel (default b1 without a state): the details page
