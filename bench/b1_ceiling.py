@@ -15,8 +15,10 @@ four numbers side by side in one process on one GPU:
    from an idle GPU (host work counted), three calls back to back (cuda_clock's inner=3, what
    check_scans and ab_stage use), and primed (device time only: cuda_clock's primed); plus the
    kernels' own durations from torch.profiler.
-3. the grid's wave quantization: 512 CTAs (3.88 waves of 132 SMs) against a 528-CTA grid (B33
-   H=HV=8: 4.00 waves), as time per GB.
+3. the grid's shape at (about) equal bytes, as time per GB: 512 CTAs (3.88 waves of 132 SMs)
+   against 528 (B33 H=HV=8: 4.00 waves), and B4 T32768 (128 CTAs: one wave, every CTA from the
+   start to the end, so the CTAs of a batch stay near one chunk index: their reads and writes
+   meet in the same DRAM pages) through B32 T4096 (1024 CTAs, 7.8 waves).
 4. with --alt: a candidate package's b1 (bench/candidates/b1-bytesonly.patch drops the two GEMMs:
    the same TMA ring, stores and barriers with no recurrence).
 
@@ -182,15 +184,15 @@ def _random_inputs(B, T, H):
 def quantization_rows():
     import kda_cute.b1 as b1
 
-    print("\n## wave quantization: time per GB, kda_cute_b1 (primed, no h0)")
+    print("\n## grid shape at equal bytes: time per GB, kda_cute_b1 2 x 2 (primed, no h0)")
     print("| shape | CTAs | waves of 132 | ms | GB | TB/s |\n|---|---|---|---|---|---|")
-    for B, H in ((16, 16), (33, 8)):
-        d = _random_inputs(B, 8192, H)
-        ms = statistics.median(median_ms(lambda d=d: b1.fwd_h(*d), warmup=2, reps=10, primed=True)
-                               for _ in range(3))
-        rd, wr = _gb(B, 8192, H, H)
+    for B, T, H in ((16, 8192, 16), (33, 8192, 8), (4, 32768, 16), (8, 16384, 16), (32, 4096, 16)):
+        d = _random_inputs(B, T, H)
+        ms = statistics.median(median_ms(lambda d=d: b1.fwd_h(*d, stages=2, warpgroups=2), warmup=2,
+                                         reps=10, primed=True) for _ in range(3))
+        rd, wr = _gb(B, T, H, H)
         ctas = B * H * V // 128
-        print(f"| B{B} T8192 H=HV={H} | {ctas} | {ctas / 132:.2f} | {ms:.3f} | {rd + wr:.2f} |"
+        print(f"| B{B} T{T} H=HV={H} | {ctas} | {ctas / 132:.2f} | {ms:.3f} | {rd + wr:.2f} |"
               f" {(rd + wr) / ms:.2f} |", flush=True)
         del d
         torch.cuda.empty_cache()
