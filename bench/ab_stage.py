@@ -84,6 +84,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-h0", action="store_true", help="scans: no initial / final state")
     ap.add_argument("--inner", type=int, default=1, help="calls back to back per sample (cuda_clock)")
+    ap.add_argument("--primed", action="store_true",
+                    help="device time only: a sleep kernel before each sample (cuda_clock)")
     ap.add_argument("--var", action="append", default=[], metavar="S,W",
                     help="scans: also time each package's (stages, warpgroups) variant S,W (repeatable)")
     a = ap.parse_args()
@@ -120,10 +122,10 @@ def main():
         times = {k: [] for k in fns}
         for _ in range(a.rounds):
             for k, f in fns.items():
-                times[k].append(median_ms(f, warmup=3, reps=a.reps, inner=a.inner))
+                times[k].append(median_ms(f, warmup=3, reps=a.reps, inner=a.inner, primed=a.primed))
         fla_ms = statistics.median(times["fla"])
         print(f"\n{a.stage} {shape} B,T,H,HV={SHAPES[shape]}: median of {a.rounds} rounds"
-              f" x {a.reps} samples of {a.inner} calls (ms)")
+              f" x {a.reps} samples of {a.inner} calls{', primed' if a.primed else ''} (ms)")
         for k, ts in times.items():
             m = statistics.median(ts)
             print(f"  {k:<24} {m:8.3f}  (rounds {min(ts):.3f}..{max(ts):.3f})  fla/this {fla_ms / m:5.2f}x")
