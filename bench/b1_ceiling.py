@@ -11,6 +11,8 @@ four numbers side by side in one process on one GPU:
      per chunk read, h [128, BV] and v_new [64, BV] per chunk written) in fla's layouts: the
      access pattern with no recurrence;
    - `pattern BV=256`: the same with one program per (b, hv): h rows written whole (512 B).
+   - `tiles`: the same tiles, one short program per (b, chunk, hv, V tile) and no recurrence (the
+     pattern executed the way the contiguous mix is: many programs, each load once, store once).
 2. kda_cute_b1 and fla's fwd_h, without and with an initial state, timed three ways: one call
    from an idle GPU (host work counted), three calls back to back (cuda_clock's inner=3, what
    check_scans and ab_stage use), and primed (device time only: cuda_clock's primed); plus the
@@ -68,6 +70,29 @@ def _pattern(kg, w, u, h, vn, T, NT, HV: tl.constexpr, K: tl.constexpr, V: tl.co
         acc = acc * 0.5 + tl.sum(b_kg, 0)[:, None]
 
 
+@triton.jit
+def _tiles(kg, w, u, h, vn, T, NT, B, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+           BT: tl.constexpr, BV: tl.constexpr, CHUNK_MAJOR: tl.constexpr):
+    """b1's tiles of one (b, chunk, hv, V tile) per program, no recurrence: the access pattern
+    moved by many short programs, as the contiguous mix is (CHUNK_MAJOR: programs in flight share
+    a chunk index across batches, as b1's CTAs do; else a batch's chunks run in order)."""
+    iv, ihv, iz = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if CHUNK_MAJOR:
+        ci, ib = iz // B, iz % B
+    else:
+        ib, ci = iz // NT, iz % NT
+    rt, rk, rv = tl.arange(0, BT), tl.arange(0, K), iv * BV + tl.arange(0, BV)
+    t = ci * BT + rt
+    o_k = (ib.to(tl.int64) * T * HV + ihv) * K + t[:, None] * (HV * K) + rk[None, :]
+    o_v = (ib.to(tl.int64) * T * HV + ihv) * V + t[:, None] * (HV * V) + rv[None, :]
+    o_h = ((ib.to(tl.int64) * NT + ci) * HV + ihv) * K * V + rk[:, None] * V + rv[None, :]
+    b_kg = tl.load(kg + o_k).to(tl.float32)
+    b_w = tl.load(w + o_k).to(tl.float32)
+    b_u = tl.load(u + o_v).to(tl.float32)
+    tl.store(vn + o_v, (b_u + tl.sum(b_w, 1)[:, None]).to(vn.dtype.element_ty))
+    tl.store(h + o_h, tl.broadcast_to(tl.sum(b_kg, 0)[:, None], (K, BV)).to(h.dtype.element_ty))
+
+
 def _gb(B, T, H, HV):
     NT = -(-T // BT)
     rd = 2 * B * T * (H + HV) * K + 2 * B * T * HV * V
@@ -119,7 +144,14 @@ def pattern_rows():
     u = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
     h = torch.empty(B, NT, HV, K, V, device="cuda", dtype=torch.bfloat16)
     vn = torch.empty_like(u)
-    for bv, nw, ns in ((128, 8, 2), (128, 8, 3), (256, 16, 2)):
+    for bv, nw, cm in ((128, 8, 1), (128, 8, 0), (128, 4, 1), (64, 4, 1), (256, 8, 1)):
+        def f(bv=bv, nw=nw, cm=cm):
+            _tiles[(V // bv, HV, B * NT)](kg, w, u, h, vn, T, NT, B, HV=HV, K=K, V=V, BT=BT, BV=bv,
+                                          CHUNK_MAJOR=cm, num_warps=nw)
+        ms = median_ms(f, warmup=3, reps=20, primed=True)
+        print(f"| tiles BV={bv} warps={nw} {'chunk' if cm else 'batch'}-major | {ms:.3f} |"
+              f" {(rd + wr) / ms:.2f} |", flush=True)
+    for bv, nw, ns in ((128, 8, 2), (256, 16, 2)):
         def f(bv=bv, nw=nw, ns=ns):
             _pattern[(V // bv, HV, B)](kg, w, u, h, vn, T, NT, HV=HV, K=K, V=V, BT=BT, BV=bv,
                                        num_warps=nw, num_stages=ns)
