@@ -11,6 +11,7 @@ four numbers side by side in one process on one GPU:
      per chunk read, h [128, BV] and v_new [64, BV] per chunk written) in fla's layouts: the
      access pattern with no recurrence;
    - `pattern BV=256`: the same with one program per (b, hv): h rows written whole (512 B).
+   - `tiles TMA`: the same with TMA loads and stores (Triton tensor descriptors);
    - `tiles`: the same tiles, one short program per (b, chunk, hv, V tile) and no recurrence (the
      pattern executed the way the contiguous mix is: many programs, each load once, store once).
 2. kda_cute_b1 and fla's fwd_h, without and with an initial state, timed three ways: one call
@@ -93,6 +94,22 @@ def _tiles(kg, w, u, h, vn, T, NT, B, HV: tl.constexpr, K: tl.constexpr, V: tl.c
     tl.store(h + o_h, tl.broadcast_to(tl.sum(b_kg, 0)[:, None], (K, BV)).to(h.dtype.element_ty))
 
 
+@triton.jit
+def _tiles_tma(kg_d, w_d, u_d, h_d, vn_d, T, NT, B, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BT: tl.constexpr, BV: tl.constexpr):
+    """`_tiles` (chunk-major) with every load and store a TMA copy (host tensor descriptors over
+    2-D views: kg / w [B*T, HV*K], u / v_new [B*T, HV*V], h [B*NT*HV*K, V])."""
+    iv, ihv, iz = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ci, ib = iz // B, iz % B
+    row = ib * T + ci * BT
+    b_kg = kg_d.load([row, ihv * K]).to(tl.float32)
+    b_w = w_d.load([row, ihv * K]).to(tl.float32)
+    b_u = u_d.load([row, ihv * V + iv * BV]).to(tl.float32)
+    vn_d.store([row, ihv * V + iv * BV], (b_u + tl.sum(b_w, 1)[:, None]).to(vn_d.dtype))
+    h_row = ((ib * NT + ci) * HV + ihv) * K
+    h_d.store([h_row, iv * BV], tl.broadcast_to(tl.sum(b_kg, 0)[:, None], (K, BV)).to(h_d.dtype))
+
+
 def _gb(B, T, H, HV):
     NT = -(-T // BT)
     rd = 2 * B * T * (H + HV) * K + 2 * B * T * HV * V
@@ -151,6 +168,24 @@ def pattern_rows():
         ms = median_ms(f, warmup=3, reps=20, primed=True)
         print(f"| tiles BV={bv} warps={nw} {'chunk' if cm else 'batch'}-major | {ms:.3f} |"
               f" {(rd + wr) / ms:.2f} |", flush=True)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    for bv in (128, 64):
+        descs = (
+            TensorDescriptor.from_tensor(kg.view(B * T, HV * K), [BT, K]),
+            TensorDescriptor.from_tensor(w.view(B * T, HV * K), [BT, K]),
+            TensorDescriptor.from_tensor(u.view(B * T, HV * V), [BT, bv]),
+            TensorDescriptor.from_tensor(h.view(B * NT * HV * K, V), [K, bv]),
+            TensorDescriptor.from_tensor(vn.view(B * T, HV * V), [BT, bv]),
+        )
+        def f(bv=bv, descs=descs):
+            _tiles_tma[(V // bv, HV, B * NT)](*descs, T, NT, B, HV=HV, K=K, V=V, BT=BT, BV=bv, num_warps=8)
+        try:
+            ms = median_ms(f, warmup=3, reps=20, primed=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"| tiles TMA BV={bv} | failed: {str(e).splitlines()[0][:120]} | |", flush=True)
+            continue
+        print(f"| tiles TMA BV={bv} chunk-major | {ms:.3f} | {(rd + wr) / ms:.2f} |", flush=True)
     for bv, nw, ns in ((128, 8, 2), (256, 16, 2)):
         def f(bv=bv, nw=nw, ns=ns):
             _pattern[(V // bv, HV, B)](kg, w, u, h, vn, T, NT, HV=HV, K=K, V=V, BT=BT, BV=bv,
