@@ -95,19 +95,35 @@ def _tiles(kg, w, u, h, vn, T, NT, B, HV: tl.constexpr, K: tl.constexpr, V: tl.c
 
 
 @triton.jit
-def _tiles_tma(kg_d, w_d, u_d, h_d, vn_d, T, NT, B, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               BT: tl.constexpr, BV: tl.constexpr):
-    """`_tiles` (chunk-major) with every load and store a TMA copy (host tensor descriptors over
-    2-D views: kg / w [B*T, HV*K], u / v_new [B*T, HV*V], h [B*NT*HV*K, V])."""
+def _tiles_tma(kg_d, w_d, u_d, h_d, vn_d, kg, w, u, h, vn, T, NT, B, HV: tl.constexpr,
+               K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+               TMA_LD: tl.constexpr, TMA_ST: tl.constexpr):
+    """`_tiles` (chunk-major) with the loads (TMA_LD) and / or the stores (TMA_ST) TMA copies (host
+    tensor descriptors over 2-D views: kg / w [B*T, HV*K], u / v_new [B*T, HV*V], h [B*NT*HV*K, V])."""
     iv, ihv, iz = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ci, ib = iz // B, iz % B
     row = ib * T + ci * BT
-    b_kg = kg_d.load([row, ihv * K]).to(tl.float32)
-    b_w = w_d.load([row, ihv * K]).to(tl.float32)
-    b_u = u_d.load([row, ihv * V + iv * BV]).to(tl.float32)
-    vn_d.store([row, ihv * V + iv * BV], (b_u + tl.sum(b_w, 1)[:, None]).to(vn_d.dtype))
+    rt, rk, rv = tl.arange(0, BT), tl.arange(0, K), iv * BV + tl.arange(0, BV)
+    o_k = (row.to(tl.int64) + rt[:, None]) * (HV * K) + ihv * K + rk[None, :]
+    o_v = (row.to(tl.int64) + rt[:, None]) * (HV * V) + ihv * V + rv[None, :]
     h_row = ((ib * NT + ci) * HV + ihv) * K
-    h_d.store([h_row, iv * BV], tl.broadcast_to(tl.sum(b_kg, 0)[:, None], (K, BV)).to(h_d.dtype))
+    o_h = (h_row.to(tl.int64) + rk[:, None]) * V + rv[None, :]
+    if TMA_LD:
+        b_kg = kg_d.load([row, ihv * K]).to(tl.float32)
+        b_w = w_d.load([row, ihv * K]).to(tl.float32)
+        b_u = u_d.load([row, ihv * V + iv * BV]).to(tl.float32)
+    else:
+        b_kg = tl.load(kg + o_k).to(tl.float32)
+        b_w = tl.load(w + o_k).to(tl.float32)
+        b_u = tl.load(u + o_v).to(tl.float32)
+    b_v = (b_u + tl.sum(b_w, 1)[:, None]).to(vn.dtype.element_ty)
+    b_h = tl.broadcast_to(tl.sum(b_kg, 0)[:, None], (K, BV)).to(h.dtype.element_ty)
+    if TMA_ST:
+        vn_d.store([row, ihv * V + iv * BV], b_v)
+        h_d.store([h_row, iv * BV], b_h)
+    else:
+        tl.store(vn + o_v, b_v)
+        tl.store(h + o_h, b_h)
 
 
 def _gb(B, T, H, HV):
@@ -170,7 +186,7 @@ def pattern_rows():
               f" {(rd + wr) / ms:.2f} |", flush=True)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    for bv in (128, 64):
+    for bv, ld, st in ((128, 1, 1), (128, 1, 0), (128, 0, 1), (128, 0, 0)):
         descs = (
             TensorDescriptor.from_tensor(kg.view(B * T, HV * K), [BT, K]),
             TensorDescriptor.from_tensor(w.view(B * T, HV * K), [BT, K]),
@@ -178,14 +194,16 @@ def pattern_rows():
             TensorDescriptor.from_tensor(h.view(B * NT * HV * K, V), [K, bv]),
             TensorDescriptor.from_tensor(vn.view(B * T, HV * V), [BT, bv]),
         )
-        def f(bv=bv, descs=descs):
-            _tiles_tma[(V // bv, HV, B * NT)](*descs, T, NT, B, HV=HV, K=K, V=V, BT=BT, BV=bv, num_warps=8)
+        def f(bv=bv, descs=descs, ld=ld, st=st):
+            _tiles_tma[(V // bv, HV, B * NT)](*descs, kg, w, u, h, vn, T, NT, B, HV=HV, K=K, V=V, BT=BT,
+                                              BV=bv, TMA_LD=ld, TMA_ST=st, num_warps=8)
         try:
             ms = median_ms(f, warmup=3, reps=20, primed=True)
         except Exception as e:  # noqa: BLE001
             print(f"| tiles TMA BV={bv} | failed: {str(e).splitlines()[0][:120]} | |", flush=True)
             continue
-        print(f"| tiles TMA BV={bv} chunk-major | {ms:.3f} | {(rd + wr) / ms:.2f} |", flush=True)
+        print(f"| tiles BV={bv} chunk-major, loads {'TMA' if ld else 'LDG'}, stores {'TMA' if st else 'STG'}"
+              f" | {ms:.3f} | {(rd + wr) / ms:.2f} |", flush=True)
     for bv, nw, ns in ((128, 8, 2), (256, 16, 2)):
         def f(bv=bv, nw=nw, ns=ns):
             _pattern[(V // bv, HV, B)](kg, w, u, h, vn, T, NT, HV=HV, K=K, V=V, BT=BT, BV=bv,
