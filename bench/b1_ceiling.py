@@ -11,6 +11,7 @@ four numbers side by side in one process on one GPU:
      per chunk read, h [128, BV] and v_new [64, BV] per chunk written) in fla's layouts: the
      access pattern with no recurrence;
    - `pattern BV=256`: the same with one program per (b, hv): h rows written whole (512 B).
+   - `stream`: b1's grid and chunk walk with that body (long-lived programs, no recurrence);
    - `tiles TMA`: the same with TMA loads and stores (Triton tensor descriptors);
    - `tiles`: the same tiles, one short program per (b, chunk, hv, V tile) and no recurrence (the
      pattern executed the way the contiguous mix is: many programs, each load once, store once).
@@ -126,6 +127,26 @@ def _tiles_tma(kg_d, w_d, u_d, h_d, vn_d, kg, w, u, h, vn, T, NT, B, HV: tl.cons
         tl.store(h + o_h, b_h)
 
 
+@triton.jit
+def _stream(kg, w, u, h, vn, T, NT, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+            BT: tl.constexpr, BV: tl.constexpr):
+    """b1's grid and walk (one long-lived program per (b, hv, V tile), chunk after chunk) with
+    `_tiles`' body and no recurrence: nothing carried between chunks, so Triton pipelines the
+    loads (num_stages) as it likes."""
+    iv, ihv, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rt, rk, rv = tl.arange(0, BT), tl.arange(0, K), iv * BV + tl.arange(0, BV)
+    for ci in range(NT):
+        t = ci * BT + rt
+        o_k = (ib.to(tl.int64) * T * HV + ihv) * K + t[:, None] * (HV * K) + rk[None, :]
+        o_v = (ib.to(tl.int64) * T * HV + ihv) * V + t[:, None] * (HV * V) + rv[None, :]
+        o_h = ((ib.to(tl.int64) * NT + ci) * HV + ihv) * K * V + rk[:, None] * V + rv[None, :]
+        b_kg = tl.load(kg + o_k).to(tl.float32)
+        b_w = tl.load(w + o_k).to(tl.float32)
+        b_u = tl.load(u + o_v).to(tl.float32)
+        tl.store(vn + o_v, (b_u + tl.sum(b_w, 1)[:, None]).to(vn.dtype.element_ty))
+        tl.store(h + o_h, tl.broadcast_to(tl.sum(b_kg, 0)[:, None], (K, BV)).to(h.dtype.element_ty))
+
+
 def _gb(B, T, H, HV):
     NT = -(-T // BT)
     rd = 2 * B * T * (H + HV) * K + 2 * B * T * HV * V
@@ -183,6 +204,17 @@ def pattern_rows():
                                           CHUNK_MAJOR=cm, num_warps=nw)
         ms = median_ms(f, warmup=3, reps=20, primed=True)
         print(f"| tiles BV={bv} warps={nw} {'chunk' if cm else 'batch'}-major | {ms:.3f} |"
+              f" {(rd + wr) / ms:.2f} |", flush=True)
+    for nw, ns in ((8, 1), (8, 2), (8, 3), (8, 4), (4, 2)):
+        def f(nw=nw, ns=ns):
+            _stream[(V // 128, HV, B)](kg, w, u, h, vn, T, NT, HV=HV, K=K, V=V, BT=BT, BV=128,
+                                       num_warps=nw, num_stages=ns)
+        try:
+            ms = median_ms(f, warmup=3, reps=20, primed=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"| stream warps={nw} stages={ns} | failed: {str(e).splitlines()[0][:120]} | |", flush=True)
+            continue
+        print(f"| stream BV=128 (b1's grid, 512 programs) warps={nw} stages={ns} | {ms:.3f} |"
               f" {(rd + wr) / ms:.2f} |", flush=True)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
