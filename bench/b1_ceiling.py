@@ -1,32 +1,29 @@
 """How close kda_cute_b1 is to what its bytes allow, and how its ratio to fla depends on the clock.
 
 b1's contract (issue #5) fixes its bytes: it reads kg, w, u and writes h (every chunk) and v_new
-in fla's layouts, 5.39 GB at B16 T8192 H=HV=16 K128 V256 bf16, 60% of it writes. This script puts
-four numbers side by side in one process on one GPU:
+in fla's layouts, 5.37 GB at B16 T8192 H=HV=16 K128 V256 bf16, 60% of it writes. Four tables, one
+process, one GPU (`--parts`, default all):
 
-1. the same bytes in plain streaming kernels (Triton, no math worth the name):
-   - `mix 2:3`: two contiguous reads and three contiguous writes of b1's exact byte counts (the
-     read/write mix with no layout at all);
-   - `pattern BV=128`: b1's grid (V tiles of 128, HV, B) and tiles (kg / w [64, 128] and u [64, BV]
-     per chunk read, h [128, BV] and v_new [64, BV] per chunk written) in fla's layouts: the
-     access pattern with no recurrence;
-   - `pattern BV=256`: the same with one program per (b, hv): h rows written whole (512 B).
-   - `stream`: b1's grid and chunk walk with that body (long-lived programs, no recurrence);
-   - `tiles TMA`: the same with TMA loads and stores (Triton tensor descriptors);
-   - `tiles`: the same tiles, one short program per (b, chunk, hv, V tile) and no recurrence (the
-     pattern executed the way the contiguous mix is: many programs, each load once, store once).
-2. kda_cute_b1 and fla's fwd_h, without and with an initial state, timed three ways: one call
-   from an idle GPU (host work counted), three calls back to back (cuda_clock's inner=3, what
-   check_scans and ab_stage use), and primed (device time only: cuda_clock's primed); plus the
-   kernels' own durations from torch.profiler.
-3. the grid's shape at (about) equal bytes, as time per GB: 512 CTAs (3.88 waves of 132 SMs)
-   against 528 (B33 H=HV=8: 4.00 waves), and B4 T32768 (128 CTAs: one wave, every CTA from the
-   start to the end, so the CTAs of a batch stay near one chunk index: their reads and writes
-   meet in the same DRAM pages) through B32 T4096 (1024 CTAs, 7.8 waves).
-4. with --alt: a candidate package's b1 (bench/candidates/b1-bytesonly.patch drops the two GEMMs:
-   the same TMA ring, stores and barriers with no recurrence).
+1. stages: kda_cute_b1 (and --alt candidate packages) against fla's fwd_h, without and with an
+   initial state, under three clocks: one call from an idle GPU (host work counted), three calls
+   back to back (what check_scans / ab_stage use), primed (device time only, cuda_clock), and
+   the kernels' own durations from torch.profiler.
+2. streaming: the same byte counts as a contiguous 2:3 read / write mix (no layout at all).
+3. pattern: b1's tiles in fla's layouts (kg / w [64, 128] and u [64, BV] read, h [128, BV] and
+   v_new [64, BV] written per chunk) moved without the recurrence: `tiles`, one short program
+   per (b, chunk, hv, V tile), chunk- or batch-major, with plain or TMA loads / stores; and
+   `stream`, b1's own grid and walk (one long-lived program per (b, hv, V tile), chunk after
+   chunk) with the same body.
+4. quantization: b1 at grid shapes of equal bytes, from one wave (B4 T32768: every CTA runs from
+   start to end, its batch's CTAs near one chunk index) to 7.8 waves.
 
-    python bench/b1_ceiling.py [--alt alt/b1-bytesonly/packages/kda-cute/kda_cute]
+Measured (H200, 2026-12-01, bench/results/scans_2026-12-01.md "Seventh session"): primed, b1
+1.425 ms vs fla 1.789 (1.26x; the profiler 1.423 vs 1.774); contiguous mix 1.299; tiles
+chunk-major 1.350, batch-major 1.308; stream 1.454 at best; b1 with both GEMMs deleted
+(candidate bytes-only, git history 7235174) 1.427-1.442; all grid shapes 3.73-3.78 TB/s. The
+scan's walk, not its math, sets b1's time.
+
+    python bench/b1_ceiling.py [--parts stages,streaming,pattern,quantization] [--alt DIR ...]
 """
 
 import argparse
@@ -49,27 +46,6 @@ def _mix23(x, y, a, b, c, n, BLOCK: tl.constexpr):
     tl.store(a + i, bx, mask=m)
     tl.store(b + i, by, mask=m)
     tl.store(c + i, bx + by, mask=m)
-
-
-@triton.jit
-def _pattern(kg, w, u, h, vn, T, NT, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-             BT: tl.constexpr, BV: tl.constexpr):
-    iv, ihv, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    acc = tl.zeros([K, BV], dtype=tl.float32)
-    rt, rk, rv = tl.arange(0, BT), tl.arange(0, K), iv * BV + tl.arange(0, BV)
-    base_k = (ib.to(tl.int64) * T * HV + ihv) * K
-    base_v = (ib.to(tl.int64) * T * HV + ihv) * V
-    for ci in range(NT):
-        t = ci * BT + rt
-        o_k = base_k + t[:, None] * (HV * K) + rk[None, :]  # kg / w [BT, K] (H = HV here)
-        o_v = base_v + t[:, None] * (HV * V) + rv[None, :]  # u / v_new [BT, BV]
-        o_h = ((ib.to(tl.int64) * NT + ci) * HV + ihv) * K * V + rk[:, None] * V + rv[None, :]
-        tl.store(h + o_h, acc.to(h.dtype.element_ty))
-        b_kg = tl.load(kg + o_k).to(tl.float32)
-        b_w = tl.load(w + o_k).to(tl.float32)
-        b_u = tl.load(u + o_v).to(tl.float32)
-        tl.store(vn + o_v, (b_u + tl.sum(b_w, 1)[:, None]).to(vn.dtype.element_ty))
-        acc = acc * 0.5 + tl.sum(b_kg, 0)[:, None]
 
 
 @triton.jit
@@ -236,16 +212,6 @@ def pattern_rows():
             continue
         print(f"| tiles BV={bv} chunk-major, loads {'TMA' if ld else 'LDG'}, stores {'TMA' if st else 'STG'}"
               f" | {ms:.3f} | {(rd + wr) / ms:.2f} |", flush=True)
-    for bv, nw, ns in ((128, 8, 2), (256, 16, 2)):
-        def f(bv=bv, nw=nw, ns=ns):
-            _pattern[(V // bv, HV, B)](kg, w, u, h, vn, T, NT, HV=HV, K=K, V=V, BT=BT, BV=bv,
-                                       num_warps=nw, num_stages=ns)
-        try:
-            ms = median_ms(f, warmup=3, reps=20, primed=True)
-        except Exception as e:  # noqa: BLE001  (a config Triton cannot build: say so, go on)
-            print(f"| pattern BV={bv} warps={nw} stages={ns} | failed: {str(e).splitlines()[0][:100]} | |")
-            continue
-        print(f"| pattern BV={bv} warps={nw} stages={ns} | {ms:.3f} | {(rd + wr) / ms:.2f} |", flush=True)
 
 
 def stage_rows(alts):
@@ -257,7 +223,7 @@ def stage_rows(alts):
         pkgs[f"alt{i}"] = load_alt(p, i)
         print(f"alt{i} = {p}")
     print("\n## b1 vs fla fwd_h, B16 T8192 H=HV=16 K128 V256 bf16 (ms; 5 rounds, median)")
-    print("| h0 | contender | idle 1 call | 3 back to back | primed | profiler kernel | GB/s... |")
+    print("| h0 | contender | idle 1 call | 3 back to back | primed | profiler kernel | ratios, rate |")
     print("|---|---|---|---|---|---|---|")
     rd, wr = _gb(16, 8192, 16, 16)
     for h0 in (False, True):

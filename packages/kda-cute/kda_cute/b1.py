@@ -54,6 +54,16 @@ stage's `full` mbarrier wait: the loads are queued behind the DRAM, not issued l
 prefetch distance made it slower, and halving the L2 reads of w / kg (multicast) changed
 nothing (below), so neither the pipeline nor L2 is the limit.
 
+The walk is the limit (seventh session, bench/b1_ceiling.py, device time only): this kernel with
+both GEMMs deleted takes the same time (1.43-1.44 ms vs 1.425-1.435), so no change to the math
+can help. The same bytes move in 1.30 ms as a contiguous stream and in 1.35 as b1's tiles handed
+to independent short programs, but b1's own walk (one (b, hv, V tile) chain of 128 chunks after
+another) with the same tiles and no math took 1.454 ms at best in Triton: the order the scan
+imposes, not the tile shapes, costs the 6-10%. Also bitwise equal and no faster: loading w / kg /
+u one 1 KB swizzle atom per TMA copy so both halves of each 256 B row leave together (1.448 vs
+1.435), and storing full chunks by st.global from every thread instead of TMA (1.450). Against
+fla in the same run (1.789-1.811) that is 1.26x; the issue's 1.3x needs <= 1.39 ms.
+
 Falsified (fifth session, all bitwise equal to this kernel, same runs as fla): cluster pairs of
 CTAs sharing w / kg by TMA multicast (1.521 vs 1.514 ms); three stages with the refill of chunk
 c - 1's stage moved under chunk c's first GEMM, chunk c + 2 two chunks in flight (1.531 vs
