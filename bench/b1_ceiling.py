@@ -49,16 +49,10 @@ def _mix23(x, y, a, b, c, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tiles(kg, w, u, h, vn, T, NT, B, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-           BT: tl.constexpr, BV: tl.constexpr, CHUNK_MAJOR: tl.constexpr):
-    """b1's tiles of one (b, chunk, hv, V tile) per program, no recurrence: the access pattern
-    moved by many short programs, as the contiguous mix is (CHUNK_MAJOR: programs in flight share
-    a chunk index across batches, as b1's CTAs do; else a batch's chunks run in order)."""
-    iv, ihv, iz = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if CHUNK_MAJOR:
-        ci, ib = iz // B, iz % B
-    else:
-        ib, ci = iz // NT, iz % NT
+def _tile(kg, w, u, h, vn, ib, ihv, ci, iv, T, NT, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+          BT: tl.constexpr, BV: tl.constexpr):
+    """One (b, chunk, hv, V tile) of b1's bytes: read kg / w [BT, K] and u [BT, BV], write v_new
+    [BT, BV] and h [K, BV] in fla's layouts (values: cheap sums, so no load is dead)."""
     rt, rk, rv = tl.arange(0, BT), tl.arange(0, K), iv * BV + tl.arange(0, BV)
     t = ci * BT + rt
     o_k = (ib.to(tl.int64) * T * HV + ihv) * K + t[:, None] * (HV * K) + rk[None, :]
@@ -69,6 +63,20 @@ def _tiles(kg, w, u, h, vn, T, NT, B, HV: tl.constexpr, K: tl.constexpr, V: tl.c
     b_u = tl.load(u + o_v).to(tl.float32)
     tl.store(vn + o_v, (b_u + tl.sum(b_w, 1)[:, None]).to(vn.dtype.element_ty))
     tl.store(h + o_h, tl.broadcast_to(tl.sum(b_kg, 0)[:, None], (K, BV)).to(h.dtype.element_ty))
+
+
+@triton.jit
+def _tiles(kg, w, u, h, vn, T, NT, B, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+           BT: tl.constexpr, BV: tl.constexpr, CHUNK_MAJOR: tl.constexpr):
+    """b1's tiles of one (b, chunk, hv, V tile) per program, no recurrence: the access pattern
+    moved by many short programs, as the contiguous mix is (CHUNK_MAJOR: programs in flight share
+    a chunk index across batches, as b1's CTAs do; else a batch's chunks run in order)."""
+    iv, ihv, iz = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if CHUNK_MAJOR:
+        ci, ib = iz // B, iz % B
+    else:
+        ib, ci = iz // NT, iz % NT
+    _tile(kg, w, u, h, vn, ib, ihv, ci, iv, T, NT, HV, K, V, BT, BV)
 
 
 @triton.jit
@@ -107,20 +115,11 @@ def _tiles_tma(kg_d, w_d, u_d, h_d, vn_d, kg, w, u, h, vn, T, NT, B, HV: tl.cons
 def _stream(kg, w, u, h, vn, T, NT, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
             BT: tl.constexpr, BV: tl.constexpr):
     """b1's grid and walk (one long-lived program per (b, hv, V tile), chunk after chunk) with
-    `_tiles`' body and no recurrence: nothing carried between chunks, so Triton pipelines the
+    `_tile` per chunk and no recurrence: nothing carried between chunks, so Triton pipelines the
     loads (num_stages) as it likes."""
     iv, ihv, ib = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rt, rk, rv = tl.arange(0, BT), tl.arange(0, K), iv * BV + tl.arange(0, BV)
     for ci in range(NT):
-        t = ci * BT + rt
-        o_k = (ib.to(tl.int64) * T * HV + ihv) * K + t[:, None] * (HV * K) + rk[None, :]
-        o_v = (ib.to(tl.int64) * T * HV + ihv) * V + t[:, None] * (HV * V) + rv[None, :]
-        o_h = ((ib.to(tl.int64) * NT + ci) * HV + ihv) * K * V + rk[:, None] * V + rv[None, :]
-        b_kg = tl.load(kg + o_k).to(tl.float32)
-        b_w = tl.load(w + o_k).to(tl.float32)
-        b_u = tl.load(u + o_v).to(tl.float32)
-        tl.store(vn + o_v, (b_u + tl.sum(b_w, 1)[:, None]).to(vn.dtype.element_ty))
-        tl.store(h + o_h, tl.broadcast_to(tl.sum(b_kg, 0)[:, None], (K, BV)).to(h.dtype.element_ty))
+        _tile(kg, w, u, h, vn, ib, ihv, ci, iv, T, NT, HV, K, V, BT, BV)
 
 
 def _gb(B, T, H, HV):
@@ -245,14 +244,11 @@ def stage_rows(alts):
             r = med[k]
             ratio = " ".join(f"{med['fla'][m] / r[m]:.2f}x" for m in ("idle", "inner3", "primed"))
             print(f"| {h0} | {k} | {r['idle']:.3f} | {r['inner3']:.3f} | {r['primed']:.3f} | {prof[k]:.3f}"
-                  f" | fla/this {ratio} {med_prof(prof, k)}; {(rd + wr) / r['primed']:.2f} TB/s primed |",
+                  f" | fla/this {ratio} (profiler {prof['fla'] / prof[k]:.2f}x);"
+                  f" {(rd + wr) / r['primed']:.2f} TB/s primed |",
                   flush=True)
         del d, fns
         torch.cuda.empty_cache()
-
-
-def med_prof(prof, k):
-    return f"(profiler {prof['fla'] / prof[k]:.2f}x)"
 
 
 def _random_inputs(B, T, H):
