@@ -154,7 +154,6 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time the kernel's tuning knobs")
     a = ap.parse_args()
-    saved_gate = intra._MIN_CTAS
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     ok = True
     rows = []
@@ -172,7 +171,6 @@ def main():
             except Exception as e:
                 print(f"ERROR timing B{B} T{T} H{H}: {type(e).__name__}: {e}", flush=True)
 
-    intra._MIN_CTAS = 0  # time and check the kernel itself at every size
     run_timing(timing)
     if not a.no_check:
         # HV = 16 everywhere: fla's autotune results for that key are seeded in the devkit,
@@ -202,18 +200,13 @@ def main():
     run_timing(extra)
     if a.sweep:
         args = make_inputs(16, 8192, 16, 16, 128)
-        base = dict(intra._TUNE)
-        for cfg in ({"pf": 0}, {"pf": 2}, {"pf": 3}):
-            intra._TUNE.update(cfg)
+        for pf in (0, 2, 3):
             try:
-                t = median_ms(lambda: intra.bwd_intra(*args, fold_dg=True), inner=INNER)
-                print(f"sweep {intra._TUNE}: ours fold {t:.3f} ms at B16 T8192 H16", flush=True)
+                t = median_ms(lambda pf=pf: intra.bwd_intra(*args, fold_dg=True, pf=pf), inner=INNER)
+                print(f"sweep pf={pf}: ours fold {t:.3f} ms at B16 T8192 H16", flush=True)
             except Exception as e:
-                print(f"ERROR sweep {cfg}: {type(e).__name__}: {e}", flush=True)
-            intra._TUNE.clear()
-            intra._TUNE.update(base)
-    intra._MIN_CTAS = saved_gate
-    gate = saved_gate if saved_gate is not None else 2 * sm_count(torch.cuda.current_device())
+                print(f"ERROR sweep pf={pf}: {type(e).__name__}: {e}", flush=True)
+    gate = intra.CTAS_PER_SM * sm_count(torch.cuda.current_device())
     print(f"grid gate: is_supported refuses grids under {gate} CTAs (fla runs those)", flush=True)
     if rows:
         print()

@@ -3,9 +3,8 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench bandwidth ncu
-#                                     candidates ceiling save savecache (default: all but fp16, bandwidth, ceiling,
-#                                     ncu, candidates)
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench ncu save savecache
+#                                     (default: all but fp16, ncu, savecache)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
 #   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash bench/gpu_suite.sh scans bench) &
@@ -43,8 +42,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 for s in $steps; do
   case $s in
     witness)
-      step witness 150 python -m kda_witness --reps 5
-      python -m kda_witness --require-cute --reps 1 --B 2 --T 1024 >>"$LOG" 2>&1
+      step witness 150 python -m kda_chain.witness --reps 5
+      python -m kda_chain.witness --require-cute --reps 1 --B 2 --T 1024 >>"$LOG" 2>&1
       echo "=== witness --require-cute (B2 T1024) rc=$?" | tee -a "$LOG"
       ;;
     intra)
@@ -61,20 +60,6 @@ for s in $steps; do
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
-    candidates)  # A/B of bench/candidates' patches against main (bench/candidates/prepare.sh first,
-                 # here: alt/ travels); outputs compared bitwise, fla in the same process
-      for st in b1 fwd dhu; do  # alt/<stage>-<name>/ for each candidate of that stage
-        alts=$(for d in alt/$st-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
-        [ -n "$alts" ] && step ab_$st ${AB_LIMIT:-150} python bench/ab_stage.py --stage $st --no-h0 --inner 3 \
-          --shape ref --shape small $alts ${CAND_VARS:---var 2,1}
-      done
-      ;;
-    ceiling)  # b1 against its bytes: streaming kernels with its mix / pattern, the three clocks,
-              # wave quantization; with alt/b1-* candidates (bench/candidates/prepare.sh) beside main
-      alts=$(for d in alt/b1-*/packages/kda-cute/kda_cute; do [ -d "$d" ] && echo --alt "$d"; done)
-      step b1_ceiling ${CEIL_LIMIT:-240} python bench/b1_ceiling.py $alts ${CEIL_PARTS:+--parts $CEIL_PARTS} ;;
-    bandwidth)  # DRAM bandwidth by read / write mix (~20 s): the ceiling a memory-bound stage meets
-      step bandwidth 120 python bench/bandwidth.py ;;
     ncu)  # Nsight Compute: NCU_STAGE's CuTe kernel (default b1 without a state): the details page
           # and the per-instruction SASS table (stall samples) come back. NCU_FLA=1 adds fla's
           # kernel (NCU_K must then match it): fla autotunes under ncu unless its choices for that

@@ -5,8 +5,9 @@ the shape runs under `kda_chain.stages.capture()`, which records each stage call
 Each implementation whose gate accepts those arguments is then timed on them (CUDA events,
 median of rounds). The reference (plain torch) is timed on the small shape only.
 
-intra is compared as the chain uses it: the CuTe kernel with fold_dg=True (and emit_bf16 when
-HV == H) against fla's intra followed by fla's dg reverse cumsum, the stage fold_dg removes.
+Every stage is compared as the chain calls it: a CuTe kernel with the flags the chain passes it
+(kda_cute.registry's `flags`: intra's fold_dg, and emit_bf16 when HV == H), the others without
+them; where fold_dg folded a later stage in (dg_cumsum), fla's and the reference's time includes it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import pytest
 import torch
 from conftest import KDA_FLAGS, SHAPES, make_inputs, selected_shapes
 from cuda_clock import cuda_now
+from kda_chain import STAGES
+from kda_cute import registry
 
 pytestmark = pytest.mark.benchmark(timer=cuda_now)
 
-STAGE_NAMES = ["gate_chunk_cumsum", "fwd_intra", "fwd", "recompute_w_u", "b1", "bwd_dAv", "dhu",
-               "bwd_wy_dqkg", "intra", "gva_sum", "gate_bwd", "l2norm_fwd", "l2norm_bwd"]
+STAGE_NAMES = list(STAGES)  # a stage a configuration does not call is skipped
 _captured: dict[str, dict] = {}
 
 
@@ -46,8 +48,6 @@ def captured(shape: str) -> dict:
 @pytest.mark.parametrize("stage", STAGE_NAMES)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_stage(benchmark, request, shape, stage, impl):
-    from kda_chain import STAGES
-
     if shape not in selected_shapes(request.config):
         pytest.skip(f"shape {shape} not selected")
     if impl == "reference" and shape != "small":
@@ -60,15 +60,15 @@ def test_stage(benchmark, request, shape, stage, impl):
     chosen = [i for i in st.impls if i.name == impl]
     if not chosen:
         pytest.skip(f"{stage} has no {impl} implementation")
-    kwargs = dict(kwargs)
-    if stage == "intra":
-        H, HV = args[0].shape[2], args[2].shape[2]
-        kwargs = dict(fold_dg=True, emit_bf16=HV == H) if impl == "cute" else {}
+    rec = registry.BY_NAME.get(stage)
+    folds_dg = bool(kwargs.get("fold_dg"))
+    if rec is not None and impl != "cute":  # the CuTe-only flags
+        kwargs = {k: v for k, v in kwargs.items() if k not in rec.flags}
     reason = chosen[0].gate(*args, **kwargs)
     if reason is not None:
         pytest.skip(f"{stage}/{impl}: {reason}")
     fn = chosen[0].fn
-    if stage == "intra" and impl != "cute":
+    if folds_dg and impl != "cute":
         from kda_chain.stages import dg_cumsum
 
         cumsum = next(i.fn for i in dg_cumsum.impls if i.name == impl)

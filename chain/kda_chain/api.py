@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from kda_cute._common.support import log_once
+from kda_cute import registry
 from kda_witness import stage_range
 
 from . import stages as S
@@ -133,7 +133,7 @@ def chunk_kda(
         no_fla = S.fla_gate(q)
         if no_fla is not None:
             raise NotImplementedError(f"chunk_kda: {reason}, and fla cannot run here ({no_fla})")
-        log_once(f"kda_chain: whole call to fla: {reason}")
+        S.log_once(f"kda_chain: whole call to fla: {reason}")
         S.dispatch_log().append(S.Choice("chunk_kda", "fla", reason))
         from fla.ops.kda import chunk_kda as fla_chunk_kda
 
@@ -162,7 +162,8 @@ def chunk_kda(
 def is_supported(q: torch.Tensor, v: torch.Tensor | None = None, **flags) -> dict[str, str | None]:
     """Per CuTe stage, None if its kernel would run for inputs like these, else the reason.
 
-    Answers from each stage's gate on tensors of the right shapes (meta tensors: no memory).
+    Answers from each stage's gate on meta tensors of the shapes a chain call passes (no memory is
+    allocated), standing for tensors on q's device. q and v may be meta tensors themselves.
     """
     B, T, H, K = q.shape
     HV, V = (v.shape[2], v.shape[3]) if v is not None else (H, K)
@@ -174,29 +175,9 @@ def is_supported(q: torch.Tensor, v: torch.Tensor | None = None, **flags) -> dic
         return_intermediate_states=flags.get("return_intermediate_states", False))
     if reason is not None:
         return {name: f"whole call to fla: {reason}" for name in S.CUTE_STAGES}
-    return {name: stage.choose(*_probe_args(name, q, B, T, H, HV, K, V))[1]
-            for name, stage in S.CUTE_STAGES.items()}
-
-
-def _probe_args(stage: str, q, B, T, H, HV, K, V):
-    dev, dt = q.device, q.dtype
-    f32 = torch.float32
-
-    def t(*shape, dtype=dt):
-        return torch.empty(shape, device=dev, dtype=dtype)
-
-    qk, kv, gk = t(B, T, H, K), t(B, T, HV, K), t(B, T, HV, K, dtype=f32)
-    if stage == "fwd":
-        # qg as fwd_intra gives it when the kernel is planned; Aqk in k's dtype (fla 0.6.0)
-        return (qk, kv, kv, kv, t(B, T, HV, V), gk, t(B, T, HV, 64), None, False, K ** -0.5)
-    if stage == "b1":
-        return (kv, kv, t(B, T, HV, V), gk, None, False)
-    if stage == "dhu":
-        return (kv, kv, kv, gk, None, None, t(B, T, HV, V), t(B, T, HV, V), K ** -0.5)
-    assert stage == "intra"
-    a = t(B, T, HV, 64, dtype=f32)
-    return (qk, qk, gk, t(B, T, HV), a, a, t(B, T, HV, K, dtype=f32), t(B, T, HV, K, dtype=f32),
-            t(B, T, HV, dtype=f32), t(B, T, HV, K, dtype=f32))
+    dims = registry.Dims(B, T, H, HV, K, V, q.dtype)
+    with registry.probing(q.device):
+        return {rec.name: S.CUTE_STAGES[rec.name].choose(*rec.probe(dims))[1] for rec in registry.STAGES}
 
 
 def warmup(B: int, T: int, H: int, K: int, V: int, HV: int | None = None, dtype=torch.bfloat16,

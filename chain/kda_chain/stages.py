@@ -21,17 +21,43 @@ arguments. Nothing in this module computes.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 
+import kda_witness
 import torch
 from kda_cute import reference as ref
-from kda_cute._common.support import device_reason, forced_fla, log_once
+from kda_cute import registry
+from kda_cute.registry import CuteStage, device_of, device_reason
 from kda_witness import stage_range
 from torch._C._autograd import _profiler_enabled
+
+log = logging.getLogger("kda_chain")
+_logged: set[str] = set()
+
+
+def log_once(message: str, level: int = logging.INFO) -> None:
+    """Log `message` the first time it is seen in this process (a fallback, once per reason)."""
+    if message not in _logged:
+        _logged.add(message)
+        log.log(level, message)
+
+
+FORCE_ENV = "KDA_FORCE_FLA"
+
+
+def forced_fla(stage: str) -> bool:
+    """`KDA_FORCE_FLA=all` or a comma list of stage names skips their CuTe kernels; read per call."""
+    val = os.environ.get(FORCE_ENV, "").strip()
+    if not val:
+        return False
+    names = {s.strip() for s in val.split(",")}
+    return "all" in names or "1" in names or stage in names
 
 # ---------------------------------------------------------------------------------------------
 # dispatch record
@@ -102,7 +128,7 @@ def _fla_import_error() -> str | None:
 
 def fla_gate(*args, **kwargs) -> str | None:
     ts = _tensors(args, kwargs)
-    if not ts or ts[0].device.type != "cuda":
+    if not ts or device_of(ts[0]).type != "cuda":
         return "no CUDA device" if not torch.cuda.is_available() else "tensors are not on CUDA"
     if any(t.dtype == torch.float64 for t in ts):
         return "fla has no float64 kernels"
@@ -120,36 +146,27 @@ class Impl:
     fn: Callable
 
 
-def cute_impl(stage: str, module: str) -> Impl:
-    """The CuTe implementation of `stage`, found at call time in kda_cute.<module>.
+def cute_impl(rec: CuteStage) -> Impl:
+    """The CuTe implementation of the stage `rec` (kda_cute.registry), its module loaded at call time.
 
     A module not present yet (the kernel is not written) gates with "kernel not built yet". The
     gate asks the module's `is_supported`; once it says None the call goes to the module's
     `launch` (its contract function without the checks the gate just made).
     """
 
-    def load():
-        try:
-            return importlib.import_module(f"kda_cute.{module}")
-        except ModuleNotFoundError as e:
-            if e.name == f"kda_cute.{module}":
-                return None
-            raise
-
     def gate(*args, **kwargs) -> str | None:
-        if forced_fla(stage):
-            return "forced to fla by KDA_FORCE_FLA"
-        mod = load()
+        if forced_fla(rec.name):
+            return f"forced to fla by {FORCE_ENV}"
+        mod = rec.load()
         if mod is None:
             return "kernel not built yet"
-        ts = _tensors(args, kwargs)
-        r = device_reason(ts[0])
+        r = device_reason(_tensors(args, kwargs)[0])
         if r is not None:
             return r
         return mod.is_supported(*args, **kwargs)
 
     def fn(*args, **kwargs):
-        return load().launch(*args, **kwargs)
+        return rec.load().launch(*args, **kwargs)
 
     return Impl("cute", gate, fn)
 
@@ -161,13 +178,8 @@ def cute_planned(stage: str, *args, **kwargs) -> bool:
     module is absent, or when its `plan_reason(*args, **kwargs)` gives a reason."""
     if forced_fla(stage):
         return False
-    try:
-        mod = importlib.import_module(f"kda_cute.{stage}")
-    except ModuleNotFoundError as e:
-        if e.name == f"kda_cute.{stage}":
-            return False
-        raise
-    return mod.plan_reason(*args, **kwargs) is None
+    mod = registry.BY_NAME[stage].load()
+    return mod is not None and mod.plan_reason(*args, **kwargs) is None
 
 
 @dataclass
@@ -321,25 +333,26 @@ def _two(name: str, fla_fn: Callable) -> Stage:
     return Stage(name, [Impl("fla", fla_gate, fla_fn), Impl("reference", _always, _ref(name))])
 
 
-def _three(name: str, fla_fn: Callable) -> Stage:
-    """A stage with a CuTe kernel: kda_cute.<name>, then fla, then the reference."""
-    fn = _REF_NAME[name]
-    return Stage(name, [cute_impl(name, name), Impl("fla", fla_gate, fla_fn),
-                        Impl("reference", _always, _ref(fn))])
-
-
-# stage name -> contract function name (same in the reference and the kernel module)
-_REF_NAME = {"fwd": "fwd_scan", "b1": "fwd_h", "dhu": "bwd_dhu", "intra": "bwd_intra"}
+# fla's function for every CuTe stage of kda_cute.registry (the per-stage fallback)
+_FLA_OF_CUTE = {"fwd": _fla_fwd_scan, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu, "intra": _fla_bwd_intra}
+# The stages with a CuTe kernel, one per registry record: kda_cute.<name>, then fla, then the reference.
+CUTE_STAGES = {
+    rec.name: Stage(rec.name, [cute_impl(rec), Impl("fla", fla_gate, _FLA_OF_CUTE[rec.name]),
+                               Impl("reference", _always, _ref(rec.contract))])
+    for rec in registry.STAGES
+}
+# what the witness expects a chain call to launch (its CLI, `expect`, the pytest marker)
+kda_witness.register_kernels(registry.kernel_stages())
 
 gate_chunk_cumsum = _two("gate_chunk_cumsum", _fla_gate_chunk_cumsum)
 fwd_intra = _two("fwd_intra", _fla_fwd_intra)
-fwd = _three("fwd", _fla_fwd_scan)
+fwd = CUTE_STAGES["fwd"]
 recompute_w_u = _two("recompute_w_u", _fla_recompute_w_u)
-b1 = _three("b1", _fla_fwd_h)
+b1 = CUTE_STAGES["b1"]
 bwd_dAv = Stage("bwd_dAv", [Impl("fla", fla_gate, _fla_bwd_dAv), Impl("reference", _always, _ref_bwd_dAv)])
-dhu = _three("dhu", _fla_bwd_dhu)
+dhu = CUTE_STAGES["dhu"]
 bwd_wy_dqkg = _two("bwd_wy_dqkg", _fla_bwd_wy_dqkg)
-intra = _three("intra", _fla_bwd_intra)
+intra = CUTE_STAGES["intra"]
 dg_cumsum = _two("dg_cumsum", _fla_dg_cumsum)
 # fla sums the GVA group with a torch view + sum too: one implementation on every device.
 gva_sum = Stage("gva_sum", [Impl("reference", _always, _ref("gva_sum"))])
@@ -349,7 +362,6 @@ beta_sigmoid_fwd = _two("beta_sigmoid_fwd", _fla_beta_sigmoid_fwd)
 beta_sigmoid_bwd = _two("beta_sigmoid_bwd", _fla_beta_sigmoid_bwd)
 gate_bwd = _two("gate_bwd", _fla_gate_bwd)
 
-CUTE_STAGES = {"fwd": fwd, "b1": b1, "dhu": dhu, "intra": intra}
 STAGES = {
     s.name: s
     for s in (gate_chunk_cumsum, fwd_intra, fwd, recompute_w_u, b1, bwd_dAv, dhu, bwd_wy_dqkg, intra,

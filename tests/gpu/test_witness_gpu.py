@@ -7,6 +7,7 @@ back and its reason. On the device machine, where nothing is installed, load the
 
 import pytest
 import torch
+from kda_cute import registry
 
 
 def _fwd_bwd(B, T, H, HV, K, V, dtype=torch.bfloat16):
@@ -30,7 +31,7 @@ def test_chain_launches_the_intra_kernel():
     _fwd_bwd(B=2, T=1024, H=16, HV=16, K=128, V=128)
 
 
-@pytest.mark.witness(kernels=["kda_cute_fwd", "kda_cute_b1", "kda_cute_dhu", "kda_cute_intra"])
+@pytest.mark.witness(kernels=list(registry.kernel_stages()))
 def test_chain_launches_all_four_cute_kernels():
     """At 256 V tiles every stage with a CuTe kernel takes it (dhu's floor is 128 tiles)."""
     _fwd_bwd(B=4, T=2048, H=16, HV=16, K=128, V=256)

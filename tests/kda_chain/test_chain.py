@@ -7,9 +7,11 @@ import pytest
 import torch
 from kda_chain import chunk_kda, dispatch_log, is_supported, reset_dispatch_log
 from kda_chain import stages as S
+from kda_cute import registry
 from kda_cute.reference import naive_kda, rel_err
 
 D = torch.float64
+CUTE = tuple(s.name for s in registry.STAGES)
 
 
 def _inputs(B=2, T=100, H=2, HV=4, K=16, V=8, dtype=D, seed=0, h0=True):
@@ -62,23 +64,21 @@ def test_chain_matches_autograd_through_naive_recurrence(shape, flags):
 
 
 def test_cpu_dispatch_goes_to_reference_with_reasons(monkeypatch, caplog):
-    from kda_cute._common import support
-
-    monkeypatch.setattr(support, "_logged", set())  # log_once: fresh for this test
-    caplog.set_level("INFO", logger="kda_cute")
+    monkeypatch.setattr(S, "_logged", set())  # log_once: fresh for this test
+    caplog.set_level("INFO", logger="kda_chain")
     x = _inputs(T=64)
     reset_dispatch_log()
     o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=x["A_log"])
     o.sum().backward()
     log = {c.stage: c for c in dispatch_log()}
-    for stage in ("fwd", "b1", "dhu", "intra"):
+    for stage in CUTE:
         assert log[stage].impl == "reference"
         assert "cute: " in log[stage].reason and "fla: no CUDA device" in log[stage].reason
     assert "dg_cumsum" in log, "without the CuTe intra the dg cumsum stage must run"
     assert log["bwd_wy_dqkg"].reason == "fla: no CUDA device"
     # every fallback is also logged (once per reason), so it is never silent
     said = [r.getMessage() for r in caplog.records]
-    for stage in ("fwd", "b1", "dhu", "intra", "bwd_wy_dqkg"):
+    for stage in (*CUTE, "bwd_wy_dqkg"):
         want = f"kda_chain: {stage} runs reference: {log[stage].reason}"
         assert said.count(want) == 1, (want, said)
 
@@ -196,12 +196,12 @@ def test_is_supported_names_a_reason_per_cute_stage():
     q = torch.empty(2, 128, 4, 128, dtype=torch.bfloat16)
     v = torch.empty(2, 128, 4, 256, dtype=torch.bfloat16)
     r = is_supported(q, v)
-    assert set(r) == {"fwd", "b1", "dhu", "intra"}
+    assert set(r) == set(CUTE)
     assert all(reason and "cute: " in reason for reason in r.values())
     assert "chunk_size 32" in is_supported(q, v, chunk_size=32)["intra"]
 
 
-@pytest.mark.parametrize("stage", ["fwd", "b1", "dhu", "intra"])
+@pytest.mark.parametrize("stage", CUTE)
 def test_gated_cute_call_goes_to_launch_with_the_contract_signature(stage, monkeypatch):
     """After its gate says yes, a CuTe stage calls the module's `launch` (the contract function
     without the checks the gate just made), which takes exactly the contract's parameters."""
@@ -209,11 +209,12 @@ def test_gated_cute_call_goes_to_launch_with_the_contract_signature(stage, monke
     import inspect
 
     mod = importlib.import_module(f"kda_cute.{stage}")
-    contract = getattr(mod, S._REF_NAME[stage])
+    name = registry.BY_NAME[stage].contract
+    contract = getattr(mod, name)
     assert inspect.signature(mod.launch).parameters.keys() == inspect.signature(contract).parameters.keys()
     seen = []
     monkeypatch.setattr(mod, "launch", lambda *a, **k: seen.append((a, k)) or "launched")
-    monkeypatch.setattr(mod, S._REF_NAME[stage], lambda *a, **k: pytest.fail("re-checked"))
+    monkeypatch.setattr(mod, name, lambda *a, **k: pytest.fail("re-checked"))
     assert S.CUTE_STAGES[stage].impls[0].fn(1, 2, x=3) == "launched" and seen == [((1, 2), {"x": 3})]
 
 

@@ -44,10 +44,21 @@ def test_bad_parts_rejected(stage, impl):
 
 
 def test_annotate_is_reentrant_decorator():
+    """Each entry opens its own record_function: one object entered twice (nested) holds two open
+    ranges, closed in order on exit; a recursing decorated function gets a fresh range per call."""
+    from torch.profiler import profile
+
     @annotate("kda::rec::reference")
     def rec(n):
         return 0 if n == 0 else 1 + rec(n - 1)
 
-    assert rec(3) == 3
-    with annotate("x") as a, a:  # the same object entered twice, nested
-        pass
+    a = annotate("x")
+    with profile() as prof:
+        assert rec(3) == 3
+        with a:
+            with a:  # the same object entered twice, nested
+                outer, inner = a._open.stack
+                assert outer is not None and inner is not None and outer is not inner
+            assert len(a._open.stack) == 1
+    assert a._open.stack == []
+    assert {"kda::rec::reference", "x"} <= {e.name for e in prof.events()}

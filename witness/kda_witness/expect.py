@@ -10,18 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .ranges import CUTE_KERNELS
+from .ranges import expected_kernels
 from .results import Results
-
-DEFAULT_KERNELS = tuple(CUTE_KERNELS)
 
 
 class WitnessError(AssertionError):
     """Raised by `expect`; an AssertionError so pytest reports it as a plain failure."""
 
 
-def expect(results: Results, kernels: Iterable[str] | str = DEFAULT_KERNELS) -> Results:
-    """Assert every kernel in `kernels` launched in `results`; returns `results` for chaining."""
+def expect(results: Results, kernels: Iterable[str] | str | None = None) -> Results:
+    """Assert every kernel in `kernels` launched in `results`; returns `results` for chaining.
+
+    `kernels` None: the kernels the op registered (`register_kernels`; kda_chain does at import)."""
+    CUTE_KERNELS = expected_kernels()
+    if kernels is None:
+        if not CUTE_KERNELS:
+            raise WitnessError("kda_witness: no kernels given and none registered (import kda_chain, "
+                               "or pass kernels=[...])")
+        kernels = tuple(CUTE_KERNELS)
     if isinstance(kernels, str):
         kernels = (kernels,)
     missing = [k for k in kernels if not results.launched(k)]

@@ -2,7 +2,8 @@
 
 - fixture `witness`: `witness(fn, *args, **kw)` profiles one call and returns `Results`;
   `witness.expect(results, kernels)` and `witness.record()` are the package's own.
-- marker `@pytest.mark.witness(kernels=[...])` (default: the four CuTe kernels): the whole test
+- marker `@pytest.mark.witness(kernels=[...])` (default: the kernels the op registered, see
+  `register_kernels`; kda_chain registers its CuTe kernels at import): the whole test
   call is profiled and the test fails unless every named kernel launched inside it, with
   `expect`'s message (which stages fell back, and why). Without a CUDA device the test is
   skipped: on CPU no kernel can launch, so the marker could only fail.
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from . import capture
-from .expect import DEFAULT_KERNELS, expect
+from .expect import expect
 
 
 def _has_cuda() -> bool:
@@ -25,10 +26,11 @@ def _has_cuda() -> bool:
 
 
 def _marked_kernels(item) -> tuple[str, ...] | None:
+    """The marker's kernels; () for a bare marker (then `expect` takes the registered ones)."""
     marker = item.get_closest_marker("witness")
     if marker is None:
         return None
-    kernels = marker.kwargs.get("kernels", marker.args[0] if marker.args else DEFAULT_KERNELS)
+    kernels = marker.kwargs.get("kernels", marker.args[0] if marker.args else ())
     return (kernels,) if isinstance(kernels, str) else tuple(kernels)
 
 
@@ -51,7 +53,7 @@ def pytest_runtest_call(item):
         return (yield)
     with capture.record() as rec:
         result = yield
-    expect(rec.results, kernels)
+    expect(rec.results, kernels or None)
     return result
 
 

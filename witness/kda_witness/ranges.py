@@ -84,12 +84,25 @@ def parse_stage_range(name: str) -> tuple[str, str, str | None] | None:
     return parts[1], parts[2], (parts[3] or None) if len(parts) == 4 else None
 
 
-# The four CuTe kernels and the stage each one implements. A trace shows the DSL-decorated name
-# (`cutlass_dsl_<module>_kernel_cutlass__kda_cute_intra_...`), so these match as substrings;
-# none is a substring of another.
-CUTE_KERNELS: dict[str, str] = {
-    "kda_cute_fwd": "fwd",
-    "kda_cute_b1": "b1",
-    "kda_cute_dhu": "dhu",
-    "kda_cute_intra": "intra",
-}
+# The kernels a chain call is expected to launch, kernel name -> the stage it implements, as the
+# op registers them (kda_chain does at import, from kda_cute.registry): the witness knows names
+# only. A trace shows the DSL-decorated name (`kernel_cutlass_kda_cute_intra_...`), so these
+# match as substrings; none may be a substring of another.
+_expected: dict[str, str] = {}
+
+
+def register_kernels(kernels: dict[str, str]) -> None:
+    """Set the expected kernels (name -> stage): `expect`'s default, the short names in tables."""
+    names = list(kernels)
+    for a in names:
+        for b in names:
+            if a != b and a in b:
+                raise ValueError(f"kernel name {a!r} is a substring of {b!r}: a trace could not tell them "
+                                 "apart")
+    _expected.clear()
+    _expected.update(kernels)
+
+
+def expected_kernels() -> dict[str, str]:
+    """The registered kernels (name -> stage); empty until an op registers them."""
+    return dict(_expected)

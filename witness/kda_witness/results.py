@@ -1,10 +1,9 @@
 """`Results`: what one profile proves, as stage rows, kernel rows, a text table and a trace.
 
 Built from a Chrome trace (`Results.from_chrome_trace(path | dict | events)`) or by
-`kda_witness.profile`. Rows are plain dicts (`rows()`, `kernel_rows()`), `to_pandas()` when
-pandas is installed. `ms` is device time (sum of the row's kernel durations) when the trace holds
-CUDA kernels, else the CPU wall time of the row's ranges; `time_source` says which, and the table
-says plainly when no kernels were recorded.
+`kda_witness.profile`. Rows are plain dicts (`rows()`, `kernel_rows()`). `ms` is device time (sum
+of the row's kernel durations) when the trace holds CUDA kernels, else the CPU wall time of the
+row's ranges; `time_source` says which, and the table says plainly when no kernels were recorded.
 """
 
 from __future__ import annotations
@@ -103,14 +102,6 @@ class Results:
              "device_ms": k.device_ms, "reason": k.reason}
             for k in self.kernels
         ]
-
-    def to_pandas(self):
-        """The stage rows as a DataFrame (needs pandas)."""
-        try:
-            import pandas as pd
-        except ImportError as e:
-            raise ImportError("Results.to_pandas() needs pandas; rows() gives the same as dicts") from e
-        return pd.DataFrame(self.rows())
 
     def export_chrome_trace(self, path) -> None:
         """Write the trace (open it in chrome://tracing or ui.perfetto.dev)."""

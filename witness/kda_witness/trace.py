@@ -32,7 +32,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .ranges import CUTE_KERNELS, parse_stage_range
+from .ranges import expected_kernels, parse_stage_range
 
 KERNEL_CAT = "kernel"
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
@@ -186,8 +186,8 @@ def attribute(events: list[dict]) -> tuple[list[Range], list[Launch]]:
 
 
 def short_kernel_name(name: str, width: int = 48) -> str:
-    """The CuTe kernel's own name if it is one of ours, else the name cut to `width`."""
-    for kernel in CUTE_KERNELS:
+    """The registered kernel's own name if it is one (`register_kernels`), else the name cut to `width`."""
+    for kernel in expected_kernels():
         if kernel in name:
             return kernel
     return name if len(name) <= width else name[: width - 3] + "..."

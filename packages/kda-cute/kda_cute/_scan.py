@@ -3,38 +3,28 @@
 dhu uses the skeleton below. b1 and fwd keep the TMA ring, the views and the tile shapes but
 hold the state transposed, with every token GEMM taking A from registers (`make_rs_mma`,
 `acc_as_a`; bitwise equal to this skeleton and faster: b1 2% at the reference shape, fwd 19%
-with its double-buffered o stores; see `kda_cute.b1`, `kda_cute.fwd`). dhu stays on it: in
-the register-A form it was 3% slower in the two-warpgroup build the reference shape runs
-(1.885 vs 1.834 ms, H200 2026-12-01; see `kda_cute.dhu`). The skeleton:
+with its double-buffered o stores). dhu stays on it: in the register-A form it was 3% slower in
+the two-warpgroup build the reference shape runs (1.885 vs 1.834 ms, H200 2026-12-01). The skeleton:
 
   * one warpgroup (128 threads) per (b, hv, 64-wide V tile); a CTA holds `nwg` of them
     (grid (V / (64 nwg), HV, B)); each stage's `variant()` picks it by grid (2 from 256 V
     tiles, where the grid still fills the SMs; 1 below). nwg = 2 (V % 128 == 0) puts two V
     tiles of one (b, hv) in a CTA so they share every V-independent operand tile (w, kg, qg,
-    Aqk and gk's row) in smem: half the L2->SM traffic and smem for those, and two stages of
-    prefetch fit where nwg = 1 fits one at two CTAs per SM. Each warpgroup keeps its own
-    state, its own bf16 state / output buffers and its own TMA stores (issued by its thread 0);
-    warp 0 of the CTA issues every load (a TMA copy elects its lane over the whole warp);
-  * the state S (h or dh) is [K=128, 64] fp32, held as the accumulator of a warpgroup MMA
-    (`mma_kv`: M = 128 state rows (two 64-row atoms), N = 64, reduction over the 64 tokens of
-    a chunk), so the update `S = exp2(gd) * S + X^T Y` is a row scale of the accumulator
-    followed by wgmma instructions accumulating straight into it;
-  * the bf16 copy of S that fla casts for its `w @ h` style dots is written to shared memory
-    in exactly the swizzled MN-major B-operand layout the token GEMM (`mma_tt`: M = 64
-    tokens, N = 64, reduction over K = 128) reads, and the same buffer is the source of the
-    TMA bulk store of the per-chunk checkpoint (h / dh) - one smem write serves both;
-  * per-chunk operand tiles arrive by TMA into an S-stage ring guarded by one mbarrier per
-    stage (warp 0 refills stage c % S with chunk c + S once every thread is done with it),
-    so loads for later chunks are in flight while the serial recurrence runs;
-  * per-chunk bf16 outputs (v_new, o, dv2) are staged in smem (the v_new / dv2 buffer is also
-    the B operand of the state GEMM) and leave by TMA store; TMA clips the rows past T of the
-    last partial chunk, and its zero-filled loads make those rows contribute nothing.
-
-Measured on the H200 (2026-11-30, bench/results/scans_2026-11-30.md, bench/check_scans.py):
-correct against float64 within fla's own error at 5 shapes (T=256 h0/dht, T=64 no h0, GVA with a
-ragged tail, fp16, batch 0 of the reference shape), NaN-poisoned outputs all written, bitwise
-repeatable. The first run hung: the TMA loads were issued by one thread, and each copy's
-`elect.sync` wants the whole warp (see `issue_chunk`).
+    Aqk and gk's row) in smem: half the L2->SM traffic and smem for those. Each warpgroup keeps
+    its own state, bf16 state / output buffers and TMA stores (issued by its thread 0); warp 0
+    of the CTA issues every load (a TMA copy elects its lane over the whole warp: issued from
+    one thread, the first launch hung);
+  * the state S (h or dh) is [K=128, 64] fp32, the accumulator of a warpgroup MMA (`mma_kv`:
+    M = 128 state rows, N = 64, reduction over the 64 tokens of a chunk), so the update
+    `S = exp2(gd) * S + X^T Y` is a row scale of the accumulator followed by wgmma into it;
+  * the bf16 copy of S that fla casts for its `w @ h` style dots is written to smem in exactly
+    the swizzled MN-major B-operand layout the token GEMM (`mma_tt`: M = 64 tokens, N = 64,
+    reduction over K = 128) reads, and the same buffer is the source of the TMA bulk store of
+    the per-chunk checkpoint (h / dh): one smem write serves both;
+  * per-chunk operand tiles arrive by TMA into a `stages`-deep ring, one mbarrier per stage
+    (warp 0 refills stage c % stages with chunk c + stages once every thread is done with it);
+  * per-chunk bf16 outputs (v_new, o, dv2) are staged in smem and leave by TMA store; TMA clips
+    the rows past T of the last partial chunk, and its zero-filled loads make them contribute 0.
 
 Global views (the mode order every TMA tile and smem layout is written against):
     row view  (T, X, heads, B)      token-major operand tiles (A K-major: w, kg, qg, Aqk)
@@ -43,22 +33,24 @@ Global views (the mode order every TMA tile and smem layout is written against):
     state     (V, K, HV, NT, B)     per-chunk h / dh checkpoints (V contiguous, fla's layout)
     fp32 state (K, V, HV, B)        h0 / ht / dht / dh0 (read/written once per CTA)
 
-Per chunk, one warpgroup (b1 shown; fwd and dhu add their GEMMs to the same two groups):
-    all: S -> bf16 smem (B-operand layout); exp2(gd) row -> smem (first warpgroup)
-    fence.proxy.async + barrier;  leader: TMA-store the checkpoint (b1, dhu)
-    wait the stage's mbarrier;  wgmma group 1 (token GEMMs reading the bf16 state)
-    epilogue in the accumulator layout (u - P, dv + P) -> bf16 smem;  fence + barrier
-    wgmma group 2 (state GEMM accumulating into S);  leader: wait bulk-store reads;  barrier
-    warp 0: refill this stage with chunk c + stages
-Three CTA barriers per chunk; the only waits are the serial dependence and, with stages = 1,
-the refill.
+Per chunk, one warpgroup (skeleton): S -> bf16 smem; exp2(gd) row -> smem; fence + barrier;
+leader TMA-stores the checkpoint; wait the stage's mbarrier; wgmma group 1 (token GEMMs on the
+bf16 state); epilogue in the accumulator layout -> bf16 smem; fence + barrier; wgmma group 2
+(state GEMM into S); leader waits the bulk-store reads; barrier; warp 0 refills the stage.
 
 Shared memory per CTA (bf16, KB; stages x operand tiles + per-warpgroup buffers):
     b1   nwg1: 40.5 S + 24      nwg2: 64.5 S + 48     (w, kg 16 each; u 8 per V tile; gd row 0.5)
-    fwd  nwg1: 64 S + 32        nwg2: 88 S + 64       (+ qg 16, Aqk 8; o buffer 8)
+    fwd  nwg1: 64 S + 32        nwg2: 88 S + 64       (+ qg 16, Aqk 8; o buffers 2 x 8)
     dhu  nwg1: 64 S + 24        nwg2: 80 S + 48       (kg, qg, w 16 each; do, dv 8 per V tile)
-Registers (ptxas via the DSL, sm_90a, no local memory): fwd / dhu 168-212 per thread in every
-variant; b1 227 (one warpgroup) / 240 (two: one CTA per SM by registers as well as smem).
+Registers (ptxas, sm_90a, no local memory): fwd / dhu 168-212 per thread; b1 227 (one
+warpgroup) / 240 (two: one CTA per SM by registers as well as smem).
+
+Bytes per call at B16 T8192 H=HV=16 K128 V256 bf16 (each kernel's docstring has the table):
+b1 5.386 GB (3.78 TB/s at 1.425 ms), fwd 4.044 GB (2.58 TB/s at 1.566), dhu 6.997 GB (3.82
+TB/s at 1.834); a torch copy reaches 4.15-4.25 TB/s on the H200. Correct against float64 within
+fla's own error (bench/check_scans.py, tests/kda_cute/test_scan_ptx.py on CPU).
+
+History: docs/perf/scans.md (and docs/perf/{b1,fwd,dhu}.md).
 """
 
 from __future__ import annotations
@@ -68,31 +60,13 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-BT = 64  # chunk
-KD = 128  # key dim (state rows)
-BV = 64  # V tile per CTA (state columns)
-THREADS = 128  # one warpgroup
+from .scan_policy import BT, BV, KD, THREADS  # noqa: F401  (the kernels read them as S.BT ...)
 
 _K = warpgroup.OperandMajorMode.K
 _MN = warpgroup.OperandMajorMode.MN
 
 
 # ----------------------------------------------------------------------------------------- host
-def pick_warpgroups(V: int, requested) -> int:
-    """Warpgroups per CTA (each owns one 64-wide V tile); 2 needs V % 128 == 0, else 1."""
-    n = 1 if requested is None else int(requested)
-    if n not in (1, 2):
-        raise ValueError(f"warpgroups must be 1 or 2 (got {requested})")
-    return n if V % (BV * n) == 0 else 1
-
-
-def pick_build(auto: tuple[int, int], stages, warpgroups, V: int) -> tuple[int, int]:
-    """(stages, warpgroups) to compile: the stage's `variant()` choice `auto`, each overridden
-    by a caller's explicit value, warpgroups through `pick_warpgroups`."""
-    return (auto[0] if stages is None else stages,
-            pick_warpgroups(V, auto[1] if warpgroups is None else warpgroups))
-
-
 def make_mma(dtype, a_k_major: bool, b_k_major: bool):
     """One-warpgroup wgmma, 64 x 64 x 16 atom, fp32 accumulate."""
     return sm90_utils.make_trivial_tiled_mma(
@@ -379,12 +353,13 @@ def mask_upper(sA: cute.Tensor, tid, nthreads: cutlass.Constexpr):
             sA[r, col] = sA.element_type(0.0)
 
 
-def run_cached(cache, cfg, key, args, dyn):
-    """Launch a scan through its call cache; the first call of `key` traces and compiles `cfg`."""
-    cache.launch(key, args, dyn, lambda views, stream: cute.compile(cfg.compile_fn(), *views, stream))
+def run_cached(cache, build, cfg, args, dyn):
+    """Launch a scan through its call cache, keyed on its frozen config `cfg`; the first call of a
+    config traces and compiles `build(cfg)` (the kernel module's builder class)."""
+    cache.launch(cfg, args, dyn, lambda views, stream: cute.compile(build(cfg).compile_fn(), *views, stream))
 
 
-def compile_only(cfg, args, dyn):
+def compile_only(build, cfg, args, dyn):
     """Trace + compile a stage for its args without launching (CPU / CI: CUTE_DSL_ARCH=sm_90a);
     the PTX stays on the result (`__ptx__`) for the tests that read it."""
     import cuda.bindings.driver as cuda
@@ -392,4 +367,4 @@ def compile_only(cfg, args, dyn):
     from ._common.cache import cute_view
 
     views = [cute_view(t, d) for t, d in zip(args, dyn, strict=True)]
-    return cute.compile(cfg.compile_fn(), *views, cuda.CUstream(0), options="--keep-ptx")
+    return cute.compile(build(cfg).compile_fn(), *views, cuda.CUstream(0), options="--keep-ptx")

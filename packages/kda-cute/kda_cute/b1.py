@@ -1,7 +1,6 @@
 """b1: the forward state scan `fwd_h` on sm_90 (fla 0.6.0's `chunk_gated_delta_rule_fwd_h`).
 
-Computes, per (b, hv), over chunks c of 64 tokens (gk in log2 units, gd = gk at the chunk's last
-valid row):
+Per (b, hv), over chunks c of 64 tokens (gk in log2 units, gd = gk at the chunk's last valid row):
 
     h[:, c]   = h_c                                   (bf16 checkpoint, [B, NT, HV, K, V])
     v_new_c   = u_c - w_c @ bf16(h_c)                  (fp32 accumulate, stored bf16)
@@ -13,152 +12,84 @@ exactly where fla casts (h and v_new to the input dtype before their dots, fp32 
 CTA decomposition: one warpgroup per (b, hv, 64-wide V tile), `nwg` of them per CTA sharing the
 w / kg / gd tiles (grid (V / (64 nwg), HV, B)); w, kg, u and gk's last row arrive by TMA in a
 `stages`-deep ring: a `full` mbarrier per stage (warp 0 issues the loads), an `empty` mbarrier
-per stage with one arrive per consumer warp, which warp 0 waits on before it refills the stage.
+per stage with one arrive per consumer warp. `variant()` picks (stages, nwg) by grid.
 
-Layouts: unlike fwd and dhu (the skeleton in `kda_cute._scan`, state [k, v] with both token
-GEMMs reading smem), b1 holds the TRANSPOSED state h^T [64 v, 128 k] fp32 as the accumulator of an
-m64n128 wgmma, so both per-chunk GEMMs take their A operand from registers:
+Layouts: the global views and the ring are `kda_cute._scan`'s. The state is held TRANSPOSED,
+h^T [64 v, 128 k] fp32, as the accumulator of an m64n128 wgmma, so both GEMMs take A from
+registers (`S.acc_as_a`: per 16 columns an m64nN accumulator fragment is an m64k16 A fragment):
 
-    P^T      = bf16(h^T) @ w^T                      m64n64k16 x 8; B = w (t, k) K-major, smem
-    v_new^T  = u^T - P^T                            in P's accumulator layout; u from (v, t) smem
+    P^T      = bf16(h^T) @ w^T                          m64n64k16 x 8; B = w (t, k) K-major
+    v_new^T  = u^T - P^T                                in P's accumulator layout; u (v, t)
     h^T     <- exp2(gd)[k] * h^T + bf16(v_new^T) @ kg   m64n128k16 x 4; B = kg (k, t) MN-major
 
-An m64nN accumulator fragment holds, per 16 columns, exactly an m64k16 A fragment
-(`S.acc_as_a`), so each GEMM's output feeds the next with no smem round trip and no barrier: the
-serial path of a chunk is convert, wgmma, wait, subtract and convert, wgmma, wait. The
-checkpoint's bf16 copy is written to smem under the second GEMM (it is the first GEMM's A, which
-must not be read while that GEMM runs), v_new's after it; both leave by TMA store (v-major tiles:
-fla's h layout [.., K, V] and v_new's [.., T, HV, V]), and thread 0 waits for their smem reads
-under the next chunk's first GEMM, then a warpgroup named barrier frees the buffers. exp2(gd) is
-a column scale of h^T: gk's row at the chunk's last token comes as a (128, 1) fp32 TMA box with
-the stage, 32 exp2 per thread, under the first GEMM. Per chunk and warpgroup the GEMMs read 32 KB
-of smem (w, kg) where the smem-operand design read 64 (h and v_new as B operands too, kg once per
-64-row atom), and that design's three CTA barriers per chunk are gone.
+smem: per stage w, kg 16 KB each, u 8 KB per V tile, gd's row 0.5 KB; per warpgroup an h (16 KB)
+and a v_new (8 KB) store tile, leaving by TMA store in fla's v-major layouts. exp2(gd) is a
+column scale of h^T, 32 exp2 per thread under the first GEMM.
 
-Measured on the H200 (2026-12-01, fourth session; bench/results/logs/ab_b1_rs_2026-12-01{j,k},
-check_scans_b1_rs_2026-12-01j, gpu_tests_b1_rs_2026-12-01k): outputs bitwise equal to the
-smem-operand kernel's at the reference shape and at B2 T4096 in every variant timed;
-check_scans ALL PASS (5 shapes, and S1/S2/S3 x WG2 at 4 incl. fp16, GVA tail, T = 64); the GPU
-chain tests (gva, one_chunk, ragged_T, ref), the saved-activation test and the scan tests pass.
-Reference shape, no initial state, same runs: 1.519 / 1.524 ms (2 stages x 2 warpgroups) against
-the smem-operand kernel's 1.550 / 1.550 and fla's fwd_h 1.898 / 1.924 (1.25x / 1.26x; 1.22-1.24x
-before). fla ran 3-4% slower than in the previous session (1.84), likely on autotune choices
-made at a smaller shape (bench/NOTES.md); against 1.84 this is 1.21-1.25x. Fifth session, three
-more runs (bench/results/scans_2026-12-01.md): 1.461-1.514 ms against fla's 1.855-1.910
-(1.25-1.27x). The issue's 1.3x is NOT met.
+Constraints: bf16 / fp16; K = 128; V % 64 == 0; HV % H == 0; contiguous, 16-byte-aligned
+[B, T, heads, dim] tensors (no varlen); gk fp32; h0 / ht fp32 [B, HV, K, V].
 
-Why it stops here (fifth session, ncu + bench/bandwidth.py): under ncu the kernel runs 1.42 ms at
-3.80 TB/s of DRAM (78.9% of peak; 89-92% of what torch's copy reaches, 4.15-4.25 TB/s, while
-write-only runs at 3.30-3.36 and b1 is 60% writes), and 35% of all warp stall samples sit on the
-stage's `full` mbarrier wait: the loads are queued behind the DRAM, not issued late. Raising the
-prefetch distance made it slower, and halving the L2 reads of w / kg (multicast) changed
-nothing (below), so neither the pipeline nor L2 is the limit.
+Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (no h0 / ht; each adds 0.034 GB):
 
-The walk is the limit (seventh session, bench/b1_ceiling.py, device time only): this kernel with
-both GEMMs deleted takes the same time (1.43-1.44 ms vs 1.425-1.435), so no change to the math
-can help. The same bytes move in 1.30 ms as a contiguous stream and in 1.35 as b1's tiles handed
-to independent short programs, but b1's own walk (one (b, hv, V tile) chain of 128 chunks after
-another) with the same tiles and no math took 1.454 ms at best in Triton: the order the scan
-imposes, not the tile shapes, costs the 6-10%. Also bitwise equal and no faster: loading w / kg /
-u one 1 KB swizzle atom per TMA copy so both halves of each 256 B row leave together (1.448 vs
-1.435), and storing full chunks by st.global from every thread instead of TMA (1.450). Against
-fla in the same run (1.789-1.811) that is 1.26x; the issue's 1.3x needs <= 1.39 ms.
+    read    kg 0.537 GB, w 0.537, u 1.074, gk (last row of each chunk) 0.017     2.165 GB
+    write   h 2.147 GB, v_new 1.074                                               3.221 GB
+    total   5.386 GB, 60% writes: 3.78 TB/s at 1.425 ms
 
-Falsified (fifth session, all bitwise equal to this kernel, same runs as fla): cluster pairs of
-CTAs sharing w / kg by TMA multicast (1.521 vs 1.514 ms); three stages with the refill of chunk
-c - 1's stage moved under chunk c's first GEMM, chunk c + 2 two chunks in flight (1.531 vs
-1.461); h / v_new store tiles double-buffered by chunk parity (1.483-1.490 vs 1.461-1.512), and
-with v_new's smem write and both stores also deferred under the next chunk's first GEMM (equal;
-3% faster at B2 T4096 only). Four stages x one warpgroup is 8% faster at B2 T4096 (128 CTAs,
-under one wave; one run, not adopted).
-Falsified earlier: four warpgroups per CTA (the whole V = 256 of a (b, hv) in one CTA, 2 stages, 224 KB,
-ptxas at 128 registers; smem-operand kernel): 1.587 vs 1.529 ms for 3 x 2, and at B2 T4096 4.45
-us per chunk against 2.55 with two warpgroups (lock-stepped warpgroups lengthen every chunk). A
-producer warp beside the consumers (288 threads): ptxas sizes registers for whole warpgroups and
-capped them at 168, spilling 464 B, so warp 0 refills after the empty barrier instead. Three
-stages x two warpgroups in this kernel: 1.597-1.635 ms against 1.478-1.524 for two stages in
-three runs (the smem-operand kernel preferred three; not understood).
+Why this design:
+  * register-A GEMMs: no smem round trip and no CTA barrier between the two GEMMs, half the
+    smem operand reads of the smem-operand design (bitwise equal; 1.519 vs 1.550 ms).
+  * 2 stages x 2 warpgroups from 256 V tiles (1.478 ms vs 1.535-1.647 for the other builds at
+    1024 tiles); one warpgroup with 4 stages while the grid is one wave (B2 T4096: 0.117 vs
+    0.169 ms for 2 x 2).
+  * it stops here: the kernel with both GEMMs deleted takes the same time (1.43-1.44 ms), and
+    b1's walk over the same tiles with no math takes 1.454 ms in Triton (a contiguous stream of
+    the same bytes 1.30): the scan's order, not the math or the pipeline, is the limit.
 
-Earlier, the smem-operand kernel (2026-11-30 / 12-01): 2 x 1 1.615 vs fla 1.955 (1.21x), two V
-tiles per CTA 1.551 vs 1.903, 3 x 2 1.485 vs 1.841 (1.24x); at B2 T4096 0.252 -> 0.138 ms.
-Alternatives considered then: mma.sync with ldmatrix (the state re-read through ldmatrix and
-B-fragment shuffles every chunk), a 128-wide V tile in one warpgroup (128 fp32 state registers
-per thread plus the token accumulators would spill).
+Today (H200, 2026-12-01, device time, no h0): 1.425 ms vs fla's fwd_h 1.789 ms = 1.26x
+(stage benchmark, one call per round: 1.598 vs 2.047 ms, 1.28x).
+
+History, falsified experiments and their logs: docs/perf/b1.md.
 """
+
+from dataclasses import dataclass
 
 import torch
 
+from . import scan_policy as P
 from ._common.cache import CallCache, alloc
-from ._common.support import compile_arch, device_reason, sm_count_of
+from ._common.lazy import LazyModule
+from ._common.support import compile_arch, device_reason
 
-
-class _LazyScan:
-    """`kda_cute._scan` on first use: it imports the CuTe DSL (seconds, and absent on some CPU
-    installs), which importing a stage module for its is_supported must not require. The tile
-    constants answer without the import."""
-
-    BT, KD, BV, THREADS = 64, 128, 64, 128
-
-    def __getattr__(self, name):
-        from . import _scan
-
-        return getattr(_scan, name)
-
-
-S = _LazyScan()
-# The compiled variant, by grid (H200, no initial state, 3 calls per sample). Fourth session
-# (bench/results/logs/ab_b1_sweep_2026-12-01l_H200.log): at B16 T8192 H16 V256 (1024 V tiles)
-# 2 stages x 2 warpgroups 1.478 ms against 1.535 (3 x 1), 1.547 (4 x 1), 1.597 (3 x 2), 1.647
-# (2 x 1). Two warpgroups share each w / kg tile (half the smem fills and L2 reads); at 240
-# registers a two-warpgroup CTA is alone on its SM either way. Fifth session
-# (logs/ab_variants_2026-12-01q_H200.log, with ab_b1_early_2026-12-01n for B2): at B4 T4096
-# (256 tiles) 2 x 2 0.207 ms against 0.210 (4 x 1), 0.212 (3 x 1), 0.236 (2 x 1): two warpgroups
-# pay once their 128 CTAs about fill the 132 SMs; at B2 T4096 (128 tiles) 4 x 1 0.117 against
-# 0.122 (3 x 1), 0.128 (2 x 1), 0.169 (2 x 2, 64 CTAs): with one CTA per SM in one wave the deeper
-# ring wins (two runs). Between 128 and 256 tiles (2 x 1, two CTAs per SM) not measured.
-WIDE_FROM_TILES = 256
-# the H200's and H100 SXM's SM count: the variant rule's default where no device is asked (CPU)
-DEFAULT_SMS = 132
-
-
-def wide_grid(B: int, HV: int, V: int, from_tiles: int) -> bool:
-    """Two warpgroups (two V tiles) per CTA: V pairs up and the grid has >= from_tiles tiles."""
-    return V % (2 * S.BV) == 0 and B * HV * (V // S.BV) >= from_tiles
-
-
-def variant(B: int, HV: int, V: int, sms: int = DEFAULT_SMS) -> tuple[int, int]:
-    """(stages, warpgroups) for this grid (see WIDE_FROM_TILES): two warpgroups from
-    WIDE_FROM_TILES V tiles; below, one, with 4 stages while every CTA has an SM to itself in
-    one wave (tiles <= sms; 186 KB of smem), else 2 (two CTAs per SM)."""
-    if wide_grid(B, HV, V, WIDE_FROM_TILES):
-        return (2, 2)
-    return (4, 1) if B * HV * (V // S.BV) <= sms else (2, 1)
-
-
-def sms_of(t: torch.Tensor) -> int:
-    """The SM count of `t`'s GPU (DEFAULT_SMS for a CPU tensor: compile-only builds)."""
-    return sm_count_of(t) if t.is_cuda else DEFAULT_SMS
-
-# 64-wide V tiles (B * HV * V/64) below which fla runs. None measured yet: at 128 tiles
-# (B2 T4096 H16 V256) ours is already 1.59x faster than fla (bench/results/scans_2026-11-30.md).
-GRID_FLOOR = 0
+S = LazyModule("kda_cute._scan")  # the device half: imported (with the DSL) on the first build
 _cache = CallCache("kda_cute_b1")
-_DT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _cutlass_dtype(dt):
-    import cutlass
+def variant(B: int, HV: int, V: int, sms: int = P.DEFAULT_SMS) -> tuple[int, int]:
+    """(stages, warpgroups) for this grid: two warpgroups from P.WIDE_FROM_TILES V tiles (2 x 2
+    1.478 ms vs 1.535 for 3 x 1 at 1024 tiles, 0.207 vs 0.210 for 4 x 1 at 256, H200 2026-12-01);
+    below, one, with 4 stages while every CTA has an SM to itself in one wave (tiles <= sms;
+    186 KB of smem), else 2 (two CTAs per SM). docs/perf/b1.md."""
+    if P.wide_grid(B, HV, V):
+        return (2, 2)
+    return (4, 1) if P.v_tiles(B, HV, V) <= sms else (2, 1)
 
-    return cutlass.BFloat16 if dt == torch.bfloat16 else cutlass.Float16
+
+@dataclass(frozen=True)
+class B1Config:
+    """Everything the compiled b1 depends on: the call cache's compile key."""
+
+    dtype: str  # "bf16" / "fp16"
+    V: int
+    HV: int
+    ratio_k: int  # HV // kg's heads
+    has_h0: bool
+    store_ht: bool
+    stages: int
+    nwg: int
+    arch: str
 
 
-class _B1:
-    def __init__(
-        self, dtype, V: int, HV: int, ratio_k: int, has_h0: bool, store_ht: bool, stages: int, nwg: int = 1
-    ):
-        self.dtype, self.V, self.HV, self.ratio_k = dtype, V, HV, ratio_k
-        self.has_h0, self.store_ht, self.stages, self.nwg = has_h0, store_ht, stages, nwg
-
+class _B1(P.Build):
     def _layouts(self, with_struct=False):
         import cutlass
         import cutlass.cute as cute
@@ -360,97 +291,25 @@ def _b1_kernel(cfg):
 
 # ------------------------------------------------------------------------------------ host side
 def is_supported(kg, w, u, gk, initial_state=None, output_final_state=False) -> str | None:
+    """None when `fwd_h` runs the kernel on these arguments, else the reason (no DSL import)."""
     return device_reason(u) or static_reason(kg, w, u, gk, initial_state)
 
 
 def static_reason(kg, w, u, gk, initial_state=None) -> str | None:
-    """Shape / dtype / layout checks and the grid floor (no device needed; the compile test uses this)."""
-    return operand_reason(kg, w, u, gk, initial_state) or floor_reason(u.shape, GRID_FLOOR)
-
-
-def extent_reason(K: int, V: int, T: int) -> str | None:
-    """The extents every scan is built for: K = 128, V in 64-wide tiles, T >= 1."""
-    if K != S.KD:
-        return f"K={K} (only K=128)"
-    if V % S.BV:
-        return f"V={V} (V % 64 != 0)"
-    if T < 1:
-        return "T=0"
-    return None
-
-
-def floor_reason(shape_bthv, floor: int) -> str | None:
-    """The measured grid floor of a scan: `shape_bthv` is a [B, T, HV, V] output's shape."""
-    B, _, HV, V = shape_bthv
-    tiles = B * HV * (V // S.BV)
-    if tiles < floor:
-        return f"{tiles} V tiles (B*HV*V/64) below the measured floor {floor} (fla is faster)"
-    return None
-
-
-def operand_reason(kg, w, u, gk, initial_state=None) -> str | None:
-    """The operand checks b1 shares with fwd (everything of static_reason but b1's floor)."""
-    if u.dtype not in _DT:
-        return f"dtype {u.dtype} (bf16/fp16 only)"
-    if kg.dtype != u.dtype or w.dtype != u.dtype:
-        return "kg, w, u must share one dtype"
-    if gk.dtype != torch.float32:
-        return f"gk must be fp32 (got {gk.dtype})"
-    if u.dim() != 4 or kg.dim() != 4 or w.dim() != 4 or gk.dim() != 4:
-        return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
-    B, T, HV, V = u.shape
-    K = kg.shape[-1]
-    r = extent_reason(K, V, T)
-    if r:
-        return r
-    if tuple(w.shape) != (B, T, HV, K) or tuple(gk.shape) != (B, T, HV, K):
-        return "w / gk must be [B, T, HV, K]"
-    if kg.shape[0] != B or kg.shape[1] != T or HV % kg.shape[2]:
-        return "kg must be [B, T, H, K] with HV % H == 0"
-    for name, t in (("kg", kg), ("w", w), ("u", u), ("gk", gk)):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
-        if t.data_ptr() % 16:
-            return f"{name} is not 16-byte aligned"
-    return state_reason("initial_state", initial_state, B, HV, K, V)
-
-
-def state_reason(name: str, t, B: int, HV: int, K: int, V: int) -> str | None:
-    """An optional fp32 [B, HV, K, V] state (h0, ht's gradient): None when absent or usable."""
-    if t is None:
-        return None
-    if t.dtype != torch.float32 or tuple(t.shape) != (B, HV, K, V):
-        return f"{name} must be fp32 [B, HV, K, V]"
-    if not t.is_contiguous() or t.data_ptr() % 16:
-        return f"{name} not contiguous / aligned"
-    return None
-
-
-def _compile_key(kg, u, initial_state, output_final_state, stages, nwg):
-    return (
-        nwg,
-        _DT[u.dtype],
-        u.shape[-1],
-        u.shape[2],
-        u.shape[2] // kg.shape[2],
-        initial_state is not None,
-        bool(output_final_state),
-        stages,
-        compile_arch(),
-    )
+    """Shape / dtype / layout checks (no device needed; the compile tests use this)."""
+    return P.operand_reason(kg, w, u, gk, initial_state)
 
 
 def _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups):
     B, T, HV, V = u.shape
-    stages, nwg = S.pick_build(variant(B, HV, V, sms_of(u)), stages, warpgroups, V)
+    stages, nwg = P.pick_build(variant(B, HV, V, P.sms_of(u)), stages, warpgroups, V)
     K = kg.shape[-1]
-    NT = (T + S.BT - 1) // S.BT
+    NT = (T + P.BT - 1) // P.BT
     dev = u.device
     h = alloc((B, NT, HV, K, V), u.dtype, dev)
     v_new = alloc(u.shape, u.dtype, dev)
     ht = alloc((B, HV, K, V), torch.float32, dev) if output_final_state else None
-    dummy = _dummy(dev)
-    key = _compile_key(kg, u, initial_state, output_final_state, stages, nwg)
+    dummy = P.dummy(dev)
     h0 = initial_state if initial_state is not None else dummy
     args = (kg, w, u, gk, h0, h, v_new, ht if ht is not None else dummy)
     dyn = (
@@ -463,25 +322,17 @@ def _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups):
         (0, 1),
         (0,) if ht is not None else (),
     )
-    cfg = _B1(
-        _cutlass_dtype(u.dtype),
-        V,
-        HV,
-        HV // kg.shape[2],
-        initial_state is not None,
-        bool(output_final_state),
-        stages,
-        nwg,
-    )
-    return (h, v_new, ht), key, args, dyn, cfg
+    cfg = B1Config(P.DTYPES[u.dtype], V, HV, HV // kg.shape[2], initial_state is not None,
+                   bool(output_final_state), stages, nwg, compile_arch())
+    return (h, v_new, ht), args, dyn, cfg
 
 
 def compile_for(
     kg, w, u, gk, initial_state=None, output_final_state=False, *, stages=None, warpgroups=None
 ):
     """Compile without launching (CPU tests); returns the compiled object."""
-    _, _, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
-    return S.compile_only(cfg, args, dyn)
+    _, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
+    return S.compile_only(_B1, cfg, args, dyn)
 
 
 def fwd_h(
@@ -493,7 +344,7 @@ def fwd_h(
     `stages` (TMA ring depth) and `warpgroups` (1: one 64-wide V tile per CTA; 2: two V tiles
     sharing the w / kg tiles, needs V % 128 == 0, else 1) select the compiled variant, by
     default `variant(B, HV, V, SMs)`."""
-    r = operand_reason(kg, w, u, gk, initial_state) or device_reason(u)
+    r = static_reason(kg, w, u, gk, initial_state) or device_reason(u)
     if r is not None:
         raise ValueError(f"kda_cute.b1.fwd_h: unsupported call: {r}")
     return launch(kg, w, u, gk, initial_state, output_final_state, stages=stages, warpgroups=warpgroups)
@@ -502,17 +353,6 @@ def fwd_h(
 def launch(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages=None, warpgroups=None):
     """`fwd_h` without its checks: for a caller whose `is_supported` just said None (the chain's
     gate), so a host-bound step does not pay for them twice."""
-    outs, key, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
-    S.run_cached(_cache, cfg, key, args, dyn)
+    outs, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
+    S.run_cached(_cache, _B1, cfg, args, dyn)
     return outs
-
-
-_dummies: dict = {}
-
-
-def _dummy(dev):
-    """A tiny fp32 [1, 1, 128, 64] placeholder for an absent h0 / ht (never touched)."""
-    d = _dummies.get(dev)
-    if d is None:
-        d = _dummies[dev] = torch.zeros((1, 1, S.KD, S.BV), dtype=torch.float32, device=dev)
-    return d

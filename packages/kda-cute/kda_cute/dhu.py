@@ -8,73 +8,88 @@ Per (b, hv), newest chunk first (gk in log2 units, gd = gk at the chunk's last v
     dh_{c-1}  = exp2(gd_c)[:, None] * dh_c + scale * qg_c^T @ do_c - w_c^T @ bf16(dv2_c)
     dh0       = dh_0 (fp32, only when h0 is given; fla's contract), dh_NT = dht or 0
 
-CTA decomposition: `kda_cute._scan` (one warpgroup per (b, hv, 64-wide V tile), chunks walked in
-reverse through the same TMA ring). The state is the accumulator of both state GEMMs: it is scaled
-by exp2(gd) / scale, `qg^T @ do` accumulates into it, it is scaled by -scale, `w^T @ dv2`
+CTA decomposition: `kda_cute._scan`'s skeleton: one warpgroup per (b, hv, 64-wide V tile), `nwg`
+per CTA sharing the kg / qg / w tiles, grid (V / (64 nwg), HV, B), chunks walked in reverse
+through the same TMA ring; `variant()` picks nwg by grid.
+
+The state dh [128 k, 64 v] fp32 is the accumulator of both state GEMMs: it is scaled by
+exp2(gd) / scale, `qg^T @ do` accumulates into it, it is scaled by -scale, `w^T @ dv2`
 accumulates into it, and it is negated: dh*e + scale*Q - W with two wgmma groups and no extra
 register tile (sign flips are exact; the two fp32 scalings round like fla's separate products to
 within an ulp). `kg @ dh` (K-major kg) and `qg^T @ do` (MN-major qg, do) go out in one wgmma group.
-kg arrives token-major (T, K); qg and w feature-major (K, T); do and dv (V, T). dh leaves by TMA
-store from the bf16 smem copy that is also the B operand of `kg @ dh`; dv2 from the bf16 buffer
-that is the B operand of `w^T @ dv2`.
 
-Measured on the H200 (2026-11-30): correctness as in `kda_cute._scan`'s docstring.
-Speed at B16 T8192 H16 V256 bf16, same run: 1.845 ms (2 stages, two V tiles per CTA sharing the
-kg / qg / w tiles) vs fla's bwd_dhu 3.080 ms = 1.67x (target 1.6x / 1.85 ms: met, narrowly);
-one V tile per CTA 2.159 (2 stages) / 2.055 (1 stage). B2 T4096: 0.223 vs 0.322 ms (1.44x).
-Sixth session (2026-12-01, bench/results/scans_2026-12-01.md): 1.834 vs 3.055 ms (1.67x); one
-warpgroup below 256 V tiles (`variant`): B2 T4096 V256 0.158 vs 0.224 (1.42x; two took 0.197).
+Layouts: kg arrives token-major (T, K); qg and w feature-major (K, T); do and dv (V, T). dh
+leaves by TMA store from the bf16 smem copy that is also the B operand of `kg @ dh`; dv2 from the
+bf16 buffer that is the B operand of `w^T @ dv2`. smem per stage: kg, qg, w 16 KB each, do and
+dv 8 KB each per V tile; per warpgroup the dh (16 KB) and dv2 (8 KB) buffers.
 
-Alternatives considered: mma.sync with ldmatrix (the state in registers either way, but every
-chunk would need the bf16 state re-read through ldmatrix and B-fragment shuffles; wgmma reads
-it from the smem copy the checkpoint store needs anyway); a producer warp + empty barriers
-(unneeded: the consumers are the only smem readers and a CTA barrier already orders them
-before the refill); a 128-wide V tile in one warpgroup (128 fp32 state registers per thread
-plus the token accumulators would spill); b1's register-A form (the transposed state as the
-A operand from registers; 2026-12-01: 1.885 vs 1.834 ms at the reference shape, 3% slower in the
-two-warpgroup build it runs there, 10% faster only with one warpgroup); L2 evict-first hints on
-the TMA loads / stores (measured on b1 and fwd: 2-16% slower, the other V half's CTA re-reads
-kg / w from L2).
+Constraints: bf16 / fp16; K = 128; V % 64 == 0; HV % H == 0; contiguous, aligned, no varlen;
+h0 / dht / dh0 fp32 [B, HV, K, V]; at least GRID_FLOOR = 128 V tiles (B * HV * V / 64), below
+which fla is faster.
+
+Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (no dht / dh0; each adds 0.034 GB):
+
+    read    qg 0.537 GB, kg 0.537, w 0.537, do 1.074, dv 1.074, gk rows 0.017    3.776 GB
+    write   dh 2.147 GB, dv2 1.074                                                3.221 GB
+    total   6.997 GB: 3.82 TB/s at 1.834 ms
+
+Why this design:
+  * the smem-operand skeleton, not b1's register-A form: that form measured 1.885 vs 1.834 ms in
+    the two-warpgroup build the reference shape runs (faster only with one warpgroup).
+  * two warpgroups from 256 V tiles: 1.834 vs 2.147 ms at 1024 tiles; one below (B2 T4096
+    V256: 0.158 vs 0.197 ms), where two would halve a grid under one wave of SMs.
+  * L2 evict-first hints on the TMA traffic are 2-16% slower (measured on b1 and fwd): the other
+    V half's CTA re-reads kg / w from L2.
+
+Today (H200, 2026-12-01, 3 calls per sample, no h0): 1.834 ms vs fla's bwd_dhu 3.055 ms =
+1.67x; B2 T4096 V256 0.158 vs 0.224 ms (stage benchmark, one call per round: 1.927 vs 3.100 ms,
+1.61x).
+
+History, falsified experiments and their logs: docs/perf/dhu.md.
 """
+
+from dataclasses import dataclass
 
 import torch
 
+from . import scan_policy as P
 from ._common.cache import CallCache, alloc
+from ._common.lazy import LazyModule
 from ._common.support import compile_arch, device_reason
-from .b1 import (
-    _DT,
-    WIDE_FROM_TILES,
-    S,
-    _cutlass_dtype,
-    _dummy,
-    extent_reason,
-    floor_reason,
-    state_reason,
-    wide_grid,
-)
 
+S = LazyModule("kda_cute._scan")  # the device half: imported (with the DSL) on the first build
+_cache = CallCache("kda_cute_dhu")
 STAGES = 2
-# Warpgroups (V tiles) per CTA, by grid, b1's and fwd's rule: two from WIDE_FROM_TILES V tiles, one
-# below (H200, 2026-12-01, logs/ab_candidates_2026-12-01r, bitwise equal): at B16 T8192 H16 V256
-# (1024 tiles) two take 1.834 ms vs one's 2.147 (fla 3.055); at B2 T4096 (128 tiles) one takes
-# 0.158 vs two's 0.197 (fla 0.224): two warpgroups halve the grid, and under one wave of SMs
-# that idles half the machine.
+# 64-wide V tiles (B * HV * V/64) below which fla runs: at 64 tiles (B2 T4096 H16 V128) ours took
+# 0.258 ms vs fla's 0.236 (H200 2026-12-01); at 128 (V256) 0.158 vs 0.224.
+GRID_FLOOR = 128
 
 
 def variant(B: int, HV: int, V: int) -> tuple[int, int]:
-    """(stages, warpgroups) for this grid (see above)."""
-    return (STAGES, 2) if wide_grid(B, HV, V, WIDE_FROM_TILES) else (STAGES, 1)
-# 64-wide V tiles (B * HV * V/64) below which fla runs: at 64 tiles (B2 T4096 H16 V128) ours took
-# 0.249 ms against fla's 0.210 (stage bench, H200 2026-11-30); at 128 (V256) 0.195 vs 0.282.
-GRID_FLOOR = 128
-_cache = CallCache("kda_cute_dhu")
+    """(stages, warpgroups) for this grid, b1's rule: two warpgroups from P.WIDE_FROM_TILES V
+    tiles (1024 tiles: 1.834 vs 2.147 ms), one below (128 tiles: 0.158 vs 0.197; fla 0.224;
+    H200 2026-12-01). docs/perf/dhu.md."""
+    return (STAGES, 2) if P.wide_grid(B, HV, V) else (STAGES, 1)
 
 
-class _Dhu:
-    def __init__(self, dtype, V, HV, ratio_q, ratio_k, has_dh0, has_dht, scale, stages, nwg=1):
-        self.dtype, self.V, self.HV, self.ratio_q, self.ratio_k = dtype, V, HV, ratio_q, ratio_k
-        self.has_dh0, self.has_dht, self.scale, self.stages, self.nwg = has_dh0, has_dht, scale, stages, nwg
+@dataclass(frozen=True)
+class DhuConfig:
+    """Everything the compiled dhu depends on: the call cache's compile key."""
 
+    dtype: str  # "bf16" / "fp16"
+    V: int
+    HV: int
+    ratio_q: int  # HV // qg's heads
+    ratio_k: int  # HV // kg's heads
+    has_dh0: bool
+    has_dht: bool
+    scale: float
+    stages: int
+    nwg: int
+    arch: str
+
+
+class _Dhu(P.Build):
     def _layouts(self, with_struct=False):
         import cutlass
         import cutlass.cute as cute
@@ -296,12 +311,12 @@ def is_supported(qg, kg, w, gk, h0, dht, do, dv, scale=None) -> str | None:
 
 def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
     """Shape / dtype / layout checks and the grid floor (no device needed)."""
-    return hard_reason(qg, kg, w, gk, h0, dht, do, dv) or floor_reason(do.shape, GRID_FLOOR)
+    return hard_reason(qg, kg, w, gk, h0, dht, do, dv) or P.floor_reason(do.shape, GRID_FLOOR)
 
 
 def hard_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
     """What the kernel cannot compute at all (shape / dtype / layout)."""
-    if do.dtype not in _DT:
+    if do.dtype not in P.DTYPES:
         return f"dtype {do.dtype} (bf16/fp16 only)"
     if any(t.dtype != do.dtype for t in (qg, kg, w, dv)):
         return "qg, kg, w, do, dv must share one dtype"
@@ -311,7 +326,7 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
         return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
     B, T, HV, V = do.shape
     K = w.shape[-1]
-    r = extent_reason(K, V, T)
+    r = P.extent_reason(K, V, T)
     if r:
         return r
     if (
@@ -327,7 +342,7 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
     for name, t in (("h0", h0), ("dht", dht)):
-        r = state_reason(name, t, B, HV, K, V)
+        r = P.state_reason(name, t, B, HV, K, V)
         if r:
             return r
     return None
@@ -335,29 +350,16 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
 
 def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
     B, T, HV, V = do.shape
-    stages, nwg = S.pick_build(variant(B, HV, V), stages, warpgroups, V)
+    stages, nwg = P.pick_build(variant(B, HV, V), stages, warpgroups, V)
     K = w.shape[-1]
     if scale is None:
         scale = K**-0.5
-    NT = (T + S.BT - 1) // S.BT
+    NT = (T + P.BT - 1) // P.BT
     dev = do.device
     dh = alloc((B, NT, HV, K, V), qg.dtype, dev)
     dh0 = alloc((B, HV, K, V), torch.float32, dev) if h0 is not None else None
     dv2 = alloc(dv.shape, dv.dtype, dev)
-    dummy = _dummy(dev)
-    key = (
-        nwg,
-        _DT[do.dtype],
-        V,
-        HV,
-        HV // qg.shape[2],
-        HV // kg.shape[2],
-        dh0 is not None,
-        dht is not None,
-        float(scale),
-        stages,
-        compile_arch(),
-    )
+    dummy = P.dummy(dev)
     args = (
         qg,
         kg,
@@ -378,25 +380,15 @@ def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
         (0,) if dh0 is not None else (),
         (0, 1),
     )
-    cfg = _Dhu(
-        _cutlass_dtype(do.dtype),
-        V,
-        HV,
-        HV // qg.shape[2],
-        HV // kg.shape[2],
-        dh0 is not None,
-        dht is not None,
-        float(scale),
-        stages,
-        nwg,
-    )
-    return (dh, dh0, dv2), key, args, dyn, cfg
+    cfg = DhuConfig(P.DTYPES[do.dtype], V, HV, HV // qg.shape[2], HV // kg.shape[2], dh0 is not None,
+                    dht is not None, float(scale), stages, nwg, compile_arch())
+    return (dh, dh0, dv2), args, dyn, cfg
 
 
 def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
     """Compile without launching (CPU tests); returns the compiled object."""
-    _, _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
-    return S.compile_only(cfg, args, dyn)
+    _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
+    return S.compile_only(_Dhu, cfg, args, dyn)
 
 
 def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
@@ -412,6 +404,6 @@ def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgrou
 def launch(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
     """`bwd_dhu` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    outs, key, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
-    S.run_cached(_cache, cfg, key, args, dyn)
+    outs, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
+    S.run_cached(_cache, _Dhu, cfg, args, dyn)
     return outs

@@ -11,93 +11,85 @@ Per (b, hv), over chunks c of 64 tokens (gk in log2 units, gd = gk at the chunk'
 with fla's casts (qg, h, v_new, Aqk in the input dtype for the dots, fp32 accumulation, o in the
 input dtype). Aqk's strictly-upper triangle is masked in smem (fla's intra leaves it unwritten).
 
-CTA decomposition and layouts: b1's register-A form (see `kda_cute.b1`): one warpgroup per
-(b, hv, 64-wide V tile), `nwg` per CTA sharing the w / qg / kg / Aqk / gd tiles; the state is
-h^T [v, k] fp32, the accumulator of an m64n128 wgmma, and every GEMM takes A from registers:
+CTA decomposition: b1's (see `kda_cute.b1`): one warpgroup per (b, hv, 64-wide V tile), `nwg`
+per CTA sharing the w / qg / kg / Aqk / gd tiles, grid (V / (64 nwg), HV, B), a TMA ring of
+`stages` with full / empty mbarriers; `variant()` picks (stages, nwg) by grid.
+
+Layouts: the state is h^T [v, k] fp32, the accumulator of an m64n128 wgmma; every GEMM takes A
+from registers:
 
     P^T, O^T = bf16(h^T) @ w^T, bf16(h^T) @ qg^T      one wgmma group, B = w, qg (t, k) K-major
     v_new^T  = u^T - P^T
     o^T      = scale O^T + bf16(v_new^T) @ tril(Aqk)^T  B = Aqk (t, s) K-major, masked in smem
     h^T     <- exp2(gd)[k] h^T + bf16(v_new^T) @ kg      B = kg (k, t) MN-major
 
-qg arrives ready-gated by TMA with w, kg, u, Aqk and gk's last row: fla's fwd_intra writes it
-next to w, u, kg (`disable_recompute`, the chain's fwd_intra(want_qg=True)), one value head per
-row block, so GVA needs no q-head ratio here. Aqk's upper triangle is zeroed in smem under the
-first group by the whole CTA (it shares the tile), with one CTA barrier per chunk; o is staged in
-smem and leaves by TMA store. No per-chunk state leaves the CTA. q stays in the contract (fla's
-fwd_o and the reference read it) but is not read.
+qg arrives ready-gated by TMA with w, kg, u, Aqk and gk's last row (fla's fwd_intra writes it,
+`disable_recompute`: the chain's fwd_intra(want_qg=True)), one value head per row, so GVA needs
+no q-head ratio here. smem per stage: w, qg, kg 16 KB each, Aqk 8, u 8 per V tile; o leaves by
+TMA store from two 8 KB buffers per warpgroup (chunk parity). One CTA barrier per chunk (the
+shared Aqk mask). No per-chunk state leaves the CTA; q stays in the contract but is not read.
 
-Measured on the H200 (2026-12-01, fifth session, bench/results/logs/ab_candidates_2026-12-01m):
-outputs bitwise equal to the smem-operand kernel it replaces at the reference shape and at B2
-T4096, both variants. No initial state, 3 calls per sample, same process: B16 T8192 H16 V256
-1.569 ms (2 stages x 2 warpgroups) against the smem-operand kernel's 1.927 and fla's fwd_h +
-fwd_o 3.815 (2.43x, was 1.98x in the same run); B2 T4096 0.135 ms against 0.175 and fla 0.337
-(2.49x). Two o store buffers per warpgroup (the bulk-store read wait before the CTA barrier is
-for the store two chunks old) are worth 1.626 -> 1.569 and 0.185 -> 0.135 ms on their own.
-The paragraphs below measured the smem-operand design (state [k, v] in smem as B operand).
+Constraints: b1's (bf16 / fp16, K = 128, V % 64 == 0, HV % H == 0, contiguous, aligned, no
+varlen), plus qg [B, T, HV, 128] and Aqk [B, T, HV, 64] (chunk 64) in u's dtype.
 
-Why qg and not q: the first design loaded q and gated it in place in smem (every thread read
-fp32 gk rows from global, exp2, wrote smem back) after the stage's mbarrier wait and before the
-first wgmma of the chunk could start: a gk round trip to global and 64 exp2 per thread sitting
-in the serial per-chunk loop. fla's fwd_intra produces qg for almost nothing (it already writes
-w, u, kg in that pass), so the gating now happens there, off the recurrence's critical path.
+Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (no h0 / ht; each adds 0.034 GB):
 
-Measured on the H200 (2026-12-01, bench/results/scans_2026-12-01.md), this design: o and ht
-within fla's error vs float64 at 5 shapes (ref b0, GVA ragged tail, fp16, T = 64, h0 + ht; also
-with two warpgroups), bitwise repeatable. B16 T8192 H16 V256 bf16, same run: 1.687 ms (1 stage x
-2 warpgroups) vs fla's fwd_h + fwd_o 4.011 ms = 2.38x (in a second table of the same run fla took
-3.827: 2.27x); B2 T4096: 0.211 vs 0.412 ms (1.95x, 2 stages x 1 warpgroup). The extra qg store
-costs fla's fwd_intra ~0.33 ms at the reference shape (witness: 4.885 vs 4.555 ms) of the
-~1.9 ms this kernel saves (stage bench 1.92 vs 3.82); the chain's forward: 7.91 vs 9.37 ms.
-`variant()` picks the build per grid.
-The first design (q gated in the kernel, 2026-11-30): 3.864 vs 3.894 ms = 1.01x, so the gating
-pass was most of the kernel's time. Left on the table: the upper-triangle mask of Aqk in smem per
-chunk and three CTA barriers per chunk.
+    read    qg 0.537 GB, kg 0.537, w 0.537, u 1.074, Aqk 0.268, gk rows 0.017    2.970 GB
+    write   o 1.074 GB                                                            1.074 GB
+    total   4.044 GB: 2.58 TB/s at 1.566 ms
 
-Alternatives considered: mma.sync with ldmatrix (the state re-read through ldmatrix and
-B-fragment shuffles every chunk); a producer warp beside the consumers (ptxas sizes registers for
-whole warpgroups: measured on b1, 168 registers and spills); a 128-wide V tile in one warpgroup
-(128 fp32 state registers per thread plus the token accumulators would spill).
+Why this design:
+  * qg from fla's fwd_intra, not q gated in the kernel: the in-kernel gating sat in the serial
+    per-chunk loop (that design ran 3.864 ms vs fla's 3.894, 1.01x); storing qg costs fwd_intra
+    ~0.33 ms of the ~1.9 ms this kernel saves.
+  * register-A form with two o buffers: 1.569 ms vs the smem-operand kernel's 1.927 (bitwise
+    equal); the second o buffer alone is 1.626 -> 1.569.
+  * 2 stages x 2 warpgroups from 256 V tiles (1.569-1.582 ms vs 1.815-1.862 for x 1 at 1024
+    tiles); 2 x 1 below (B2 T4096: 0.155 vs 0.222 ms for 2 x 2).
+
+Today (H200, 2026-12-01, 3 calls per sample, no h0): 1.566 ms vs fla's fwd_h + fwd_o 3.836 ms
+= 2.45x (stage benchmark, one call per round: 1.610 vs 3.876 ms, 2.41x).
+
+History, falsified experiments and their logs: docs/perf/fwd.md.
 """
+
+from dataclasses import dataclass
 
 import torch
 
+from . import scan_policy as P
 from ._common.cache import CallCache, alloc
+from ._common.lazy import LazyModule
 from ._common.support import compile_arch, device_reason
-from .b1 import (
-    _DT,
-    S,
-    _cutlass_dtype,
-    _dummy,
-    extent_reason,
-    floor_reason,
-    operand_reason,
-    state_reason,
-    wide_grid,
-)
 
-# The compiled variant, by grid (H200, 2026-12-01 fifth session, same runs as fla, bench/results/
-# logs/ab_candidates_2026-12-01m and ab_variants_2026-12-01q): at B16 T8192 H16 V256 (1024 V
-# tiles) 2 stages x 2 warpgroups 1.569-1.582 ms against 1.815-1.862 for 3 x 1 / 2 x 1; at B4
-# T4096 (256 tiles) 2 x 2 0.224 against 0.262-0.265; at B2 T4096 (128 tiles) 2 x 1 0.155 against
-# 0.160 (3 x 1) and 0.222 (2 x 2: 64 CTAs leave half the SMs idle); 4 x 1 does not fit. The
-# smem-operand design preferred 1 x 2 at the reference grid (2 x 2 left one CTA per SM there;
-# the register-A form frees the state's smem). Between 128 and 256 tiles not measured.
-WIDE_FROM_TILES = 256
-GRID_FLOOR = 0
+S = LazyModule("kda_cute._scan")  # the device half: imported (with the DSL) on the first build
 _cache = CallCache("kda_cute_fwd")
 
 
 def variant(B: int, HV: int, V: int) -> tuple[int, int]:
-    """(stages, warpgroups) for this grid (see WIDE_FROM_TILES)."""
-    return (2, 2) if wide_grid(B, HV, V, WIDE_FROM_TILES) else (2, 1)
+    """(stages, warpgroups) for this grid: two warpgroups from P.WIDE_FROM_TILES V tiles (2 x 2
+    1.569 ms vs 1.815-1.862 for one at 1024 tiles, 0.224 vs 0.262 at 256; at 128 2 x 1 0.155 vs
+    0.222, H200 2026-12-01). docs/perf/fwd.md."""
+    return (2, 2) if P.wide_grid(B, HV, V) else (2, 1)
 
 
-class _Fwd:
-    def __init__(self, dtype, V, HV, ratio_k, has_h0, store_ht, scale, stages, nwg=1):
-        self.dtype, self.V, self.HV, self.ratio_k = dtype, V, HV, ratio_k
-        self.has_h0, self.store_ht, self.scale, self.stages, self.nwg = has_h0, store_ht, scale, stages, nwg
+@dataclass(frozen=True)
+class FwdConfig:
+    """Everything the compiled fwd depends on: the call cache's compile key."""
 
+    dtype: str  # "bf16" / "fp16"
+    V: int
+    HV: int
+    ratio_k: int  # HV // kg's heads
+    has_h0: bool
+    store_ht: bool
+    scale: float
+    stages: int
+    nwg: int
+    arch: str
+
+
+class _Fwd(P.Build):
     def _layouts(self, with_struct=False):
         import cutlass
         import cutlass.cute as cute
@@ -323,24 +315,19 @@ def is_supported(
 
 
 def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
-    """Shape / dtype / layout checks and the grid floor (no device needed)."""
-    return hard_reason(q, qg, kg, w, u, gk, Aqk, initial_state) or floor_reason(u.shape, GRID_FLOOR)
-
-
-def hard_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
     """What the kernel cannot compute at all (shape / dtype / layout). q is not read by the
     kernel (qg replaces it), so it is not checked; qg must be what fwd_intra(want_qg=True) gives."""
     if qg is None:
         return "qg not computed by fwd_intra"
-    r = operand_reason(kg, w, u, gk, initial_state)
+    r = P.operand_reason(kg, w, u, gk, initial_state)
     if r:
         return r
     B, T, HV, V = u.shape
     if qg.dtype != u.dtype or Aqk.dtype != u.dtype:
         return "qg, Aqk must share u's dtype"
-    if tuple(qg.shape) != (B, T, HV, S.KD):
+    if tuple(qg.shape) != (B, T, HV, P.KD):
         return "qg must be [B, T, HV, 128] (one row per value head)"
-    if tuple(Aqk.shape) != (B, T, HV, S.BT):
+    if tuple(Aqk.shape) != (B, T, HV, P.BT):
         return "Aqk must be [B, T, HV, 64] (chunk 64)"
     for name, t in (("qg", qg), ("Aqk", Aqk)):
         if not t.is_contiguous() or t.data_ptr() % 16:
@@ -353,7 +340,7 @@ def plan_reason(q, v, initial_state=None) -> str | None:
     inputs alone, before fwd_intra runs: the chain asks fwd_intra for qg only when this is None.
 
     Makes the checks of is_supported that the inputs decide (device, dtype, K, V, T, heads,
-    initial_state, grid floor), so no qg is computed for a kernel the chain would not run. The
+    initial_state), so no qg is computed for a kernel the chain would not run. The
     intermediates (fresh, contiguous, the shapes fla's fwd_intra gives) are checked by
     is_supported when the stage is called."""
     r = device_reason(v)
@@ -363,55 +350,34 @@ def plan_reason(q, v, initial_state=None) -> str | None:
         return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if v.dtype not in _DT:
+    if v.dtype not in P.DTYPES:
         return f"dtype {v.dtype} (bf16/fp16 only)"
     if q.dtype != v.dtype:
         return "q, k, v must share one dtype"
-    r = extent_reason(K, V, T)
+    r = P.extent_reason(K, V, T)
     if r:
         return r
     if tuple(v.shape[:2]) != (B, T) or HV % H:
         return "v must be [B, T, HV, V] with HV % H == 0"
-    return state_reason("initial_state", initial_state, B, HV, K, V) or floor_reason(v.shape, GRID_FLOOR)
+    return P.state_reason("initial_state", initial_state, B, HV, K, V)
 
 
 def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups):
     B, T, HV, V = u.shape
-    stages, nwg = S.pick_build(variant(B, HV, V), stages, warpgroups, V)
+    stages, nwg = P.pick_build(variant(B, HV, V), stages, warpgroups, V)
     K = kg.shape[-1]
     if scale is None:
         scale = K**-0.5
     dev = u.device
     o = alloc(u.shape, u.dtype, dev)
     ht = alloc((B, HV, K, V), torch.float32, dev) if output_final_state else None
-    dummy = _dummy(dev)
-    key = (
-        nwg,
-        _DT[u.dtype],
-        V,
-        HV,
-        HV // kg.shape[2],
-        initial_state is not None,
-        bool(output_final_state),
-        float(scale),
-        stages,
-        compile_arch(),
-    )
+    dummy = P.dummy(dev)
     h0 = initial_state if initial_state is not None else dummy
     args = (qg, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy)
     dyn = ((0, 1),) * 6 + ((0,) if initial_state is not None else (), (0, 1), (0,) if ht is not None else ())
-    cfg = _Fwd(
-        _cutlass_dtype(u.dtype),
-        V,
-        HV,
-        HV // kg.shape[2],
-        initial_state is not None,
-        bool(output_final_state),
-        float(scale),
-        stages,
-        nwg,
-    )
-    return (o, ht), key, args, dyn, cfg
+    cfg = FwdConfig(P.DTYPES[u.dtype], V, HV, HV // kg.shape[2], initial_state is not None,
+                    bool(output_final_state), float(scale), stages, nwg, compile_arch())
+    return (o, ht), args, dyn, cfg
 
 
 def compile_for(
@@ -430,10 +396,10 @@ def compile_for(
     warpgroups=None,
 ):
     """Compile without launching (CPU tests); returns the compiled object. q is not read."""
-    _, _, args, dyn, cfg = _plan(
+    _, args, dyn, cfg = _plan(
         qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
     )
-    return S.compile_only(cfg, args, dyn)
+    return S.compile_only(_Fwd, cfg, args, dyn)
 
 
 def fwd_scan(
@@ -456,7 +422,7 @@ def fwd_scan(
     not read (it stays in the contract for fla and the reference). `stages` / `warpgroups`: the
     compiled variant, by default `variant(B, HV, V)`. Raises ValueError on a call the kernel
     cannot compute (shape, dtype, layout, device)."""
-    r = hard_reason(q, qg, kg, w, u, gk, Aqk, initial_state) or device_reason(u)
+    r = static_reason(q, qg, kg, w, u, gk, Aqk, initial_state) or device_reason(u)
     if r is not None:
         raise ValueError(f"kda_cute.fwd.fwd_scan: unsupported call: {r}")
     return launch(q, qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages=stages,
@@ -467,8 +433,8 @@ def launch(q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=Fals
            stages=None, warpgroups=None):
     """`fwd_scan` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    outs, key, args, dyn, cfg = _plan(
+    outs, args, dyn, cfg = _plan(
         qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
     )
-    S.run_cached(_cache, cfg, key, args, dyn)
+    S.run_cached(_cache, _Fwd, cfg, args, dyn)
     return outs

@@ -1,132 +1,61 @@
 """kda_cute_intra: KDA's intra-chunk backward on sm_90 (fla 0.6.0's `chunk_kda_bwd_intra`).
 
-What it computes (per chunk of BT = 64 tokens, per value head hv, per key column d; D_rs =
-exp2(g_r - g_s), r >= s, g the log2 chunk-local cumsum of the gate):
+Per chunk of BT = 64 tokens, value head hv, key column d (D_rs = exp2(g_r - g_s), r >= s, g the
+log2 chunk-local cumsum of the gate):
 
     row side     dq2_r = sum_{s<=r} dAqk_rs k_s D_rs        dk2_r = sum_{s<=r} dAkk_rs k_s D_rs
     column side  dkt_s = sum_{r>=s} (dAqk_rs q_r + dAkk_rs beta_r k_r) D_rs
     dq = dq_in + dq2      dk = dk_in + beta dk2 + dkt      db = db_in + sum_d dk2 k
     dg = dg_in + q dq2 + (beta dk2 - dkt) k      (fold_dg: reverse-cumsummed within the chunk)
 
-CTA decomposition. One CTA per (chunk, hv, b): grid (T/64, HV, B), 256 threads (8 warps). A
-thread owns one key column d (the recurrence never mixes columns except through db), and the
-256 / K thread groups split the chunk's four 16-row blocks: K = 128 -> 2 groups of 2 blocks,
-K = 64 -> 4 groups of 1 block. Every 16-row block carries the same cross work (its row side
-reaches back over 16 i source rows, its column side forward over 48 - 16 i target rows).
+CTA decomposition: one CTA per (chunk, hv, b), grid (T/64, HV, B), 256 threads, two CTAs per SM.
+A thread owns one key column d; the 256 / K thread groups split the chunk's four 16-row blocks
+(K = 128: 2 groups of 2 blocks; K = 64: 4 of 1). Per block i (rows r0 = 16 i ..):
+  * cross sums (sources s < r0, targets r > r0 + 15) on tf32 mma.sync m16n8k8 per warp over its
+    32 columns, anchored at the block's first / last row so every exp2 argument is <= 0 whatever
+    the gate (a positive exponent overflows fp32 with gates near -5 per step); B operands (kg,
+    qb, kbb) computed into registers from smem, rounded to tf32 by one integer add (fla's tl.dot
+    precision); C tiles reach the column-per-thread registers through a per-warp 8 x 33 stage;
+  * the 16 x 16 diagonal block in SIMT, one exp2 per (r, s, d) shared by both sides, rows walked
+    last to first: row r is final when reached, so its outputs leave at once, and the walk is the
+    running suffix sum fold_dg needs (group totals cross groups through smem at the end);
+  * db: a warp butterfly per row + a smem table.
 
-Per block i (rows r0 = 16 i ..), per column:
-  * cross row side (s < r0), factorized through the block's first row b = r0:
-        acc_r = exp2(g_r - g_b) * sum_s dA_rs (k_s exp2(g_b - g_s))
-  * cross column side (r > r0 + 15), through the block's last row e = r0 + 15:
-        dkt_s = exp2(g_e - g_s) * sum_r dA_rs (q_r | beta_r k_r) exp2(g_r - g_e)
-    so every exp2 argument is <= 0 whatever the gate magnitude (a positive exponent overflows
-    fp32 with gates near -5 per step);
-  * the 16 x 16 diagonal block in SIMT with exactly one exp2 per (r, s, d), shared by the row
-    and the column side (the same D_rs serves both), rows walked from the last to the first:
-    when row r is reached every r' >= r has already added into dkt_r, so row r is final at once
-    and its outputs leave immediately (no staging), and the same descending walk is the running
-    suffix sum fold_dg needs (group totals cross groups through smem at the end).
-  The boundary factors exp2(g_r - g_b), exp2(g_e - g_s) are the diagonal's own first-column /
-  last-row factors; the compiler shares them. db: a warp butterfly per row + a smem table.
+Layouts: global q, k [B, T, H, K] (io dtype), g, dq/dk/dg in and out [B, T, HV, K] fp32 (dq / dk
+out in q's dtype with emit_bf16), dAqk / dAkk [B, T, HV, 64] fp32, beta / db [B, T, HV]. smem
+holds the chunk's q, k, g, dAqk, dAkk, beta once, row-major as in gmem, rows padded (dA 68, g 132,
+q / k 136 elements) so fragment loads are conflict-free or 2-way: ~112 KB per CTA. The mma tile's
+column n is the warp's column pi(n) = 4 c(n % 8) + n / 8, c(x) = x / 2 + 4 (x % 2), so a lane's
+four B columns are adjacent (one 16-byte g load, one 8-byte q / k load). Incoming grads are read
+and outputs written from registers through one column pointer per tensor at an immediate row
+stride (H, HV compile-time; B, T dynamic); each block's incoming rows are prefetched into L2.
 
-The cross sums run on tf32 mma.sync m16n8k8 (`cute.nvgpu.warp.MmaTF32Op`), per warp over its
-32 columns: row side C[16 r, 32 d] += dA[r, 8 s] kg[8 s, 32 d] per 8 sources (q and k
-accumulators share the kg fragment), column side C[16 s, 32 d] += dAq^T qb + dAk^T kbb per 8
-targets. The A fragments' (m, k) coordinates come from partitioning an identity tensor with the
-thread's MMA slice; the B operands (kg, qb, kbb with their exp2 anchors, then rounded to tf32:
-fla's tl.dot precision) are computed straight into registers from smem. The tile's column n is
-the warp's column pi(n) = 4 c(n % 8) + n / 8, c(x) = x / 2 + 4 (x % 2): a lane's four B columns
-(n = lane / 4 + 8 j) are then adjacent, so a k row of g is one 16-byte load and of q / k one
-8-byte load (bf16 unpacked by shift and mask) instead of four scalar loads each, and the 8 lanes
-of an LDS.128 phase hit distinct bank groups; `_to_columns` writes C column n to stage column
-pi(n). Same products, same sums: outputs bitwise unchanged, 11 / 18 fewer instructions per 8-row
-step of the row / column side (85 -> 74, 130 -> 112), fold_dg 3.854 -> 3.798 ms in one A/B.
-The rounding is one integer add of half a tf32 ulp to the bit pattern (the mma reads only the
-top 19 bits): the same result as cvt.rna.tf32.f32 for finite values, which ptxas 13 expands into
-an inf/NaN test, the same add and a mask (FSETP, IADD, LOP3): the add measured -0.04..-0.12
-ms, outputs bitwise unchanged. The C tile (2 rows x 2 columns per lane) reaches the
-column-per-thread registers through a per-warp 8 x 33 smem stage, half a tile at a time.
-Errors ~1e-5 relative, 2.5-4x below fla's.
+Constraints: K in (64, 128); T % 64 == 0; HV % H == 0; q / k bf16 or fp16; beta bf16 / fp16 /
+fp32; the rest fp32; contiguous, 16-byte aligned; a grid of >= 2 x SM count CTAs (`CTAS_PER_SM`).
 
-Layouts. Everything of the chunk that more than one thread reads is staged once in smem in its
-gmem orientation (row-major, d innermost): q, k in io dtype, g, dAqk, dAkk and beta in fp32.
-Threads of a warp own consecutive d, so every per-column smem read is a conflict-free row
-segment, every dA read of the diagonal a warp-uniform broadcast. The rows are padded (dA 68, g
-132, q/k 136 elements) so mma fragment loads are conflict-free or 2-way: ~110 KB per CTA, still
-two CTAs (16 warps) per SM. The staging loads are 16-byte vectors, all 24 per thread issued
-before the first store. The incoming dq/dk/dg are read and the outputs
-written straight from registers (coalesced 128 B per warp per row) through one per-thread
-column pointer per tensor: H and HV are compile-time (B and T dynamic), so the row stride is an
-immediate (this took IMAD 959 -> 152 per thread). The incoming grads of the first rows the
-diagonal walk finalizes are loaded before the cross sums, later rows `pf` rows ahead, and every
-other incoming row of the block is prefetched into L2 when the block starts (a warp's 32 columns
-of a row are one 128-byte line). Nsight Compute (2026-12-01) put 40% of the walk's stall samples
-on those row loads (long scoreboard, ~100 instructions after issue): the walk was waiting on
-DRAM. The L2 prefetch took the reference shape from 4.078 to 3.954 ms (fold_dg).
+Bytes per call, B16 T8192 H=HV=16 K128 bf16 (fold_dg; beta bf16):
 
-Validation without a GPU (tests/kda_cute/test_intra_compile.py): the sm_90a PTX the DSL emits is
-executed by a small PTX interpreter on CPU (fold_dg; K 128; K 64 with GVA, fp16 and strong gates)
-and matches the float64 reference (~1e-5 relative, tf32), every output written.
+    read    q 0.537 GB, k 0.537, g 1.074, dAqk 0.537, dAkk 0.537,
+            dq / dk / dg in 3.221, beta + db in 0.013                             6.456 GB
+    write   dq / dk 2.147 (1.074 with emit_bf16), dg 1.074, db 0.008              3.230 GB
+    total   9.69 GB (8.61 with emit_bf16): 2.58 TB/s at 3.758 ms
 
-Measured (H200, 2026-12-01, bench/results/intra_2026-12-01.md; CUDA events, 3 calls back to
-back per sample, fla in the same process): B16 T8192 H=HV=16 K128 bf16, fla's intra + dg cumsum
-15.3-15.5 ms. Current build (vector B loads): fold_dg 3.758-3.837 ms = 4.04-4.08x in three
-same-run measurements, fold_dg + emit_bf16 (what the chain runs when HV == H) 3.566-3.820 ms
-(4.02-4.30x; the stage benchmark 3.723 vs 15.730, 4.22x); B2 T4096 3.71-3.80x. Before: with
-scalar B loads fold_dg 3.815-3.854 (3.97-4.02x); before the tf32 add and the L2 prefetch 3.954 /
-3.778, earlier 4.094 / 3.930. Errors vs float64 2.5-4x below fla's
-at all 8 check shapes, runs bitwise identical, emit_bf16 equals the cast. Earlier the same day:
-the fold's 32 dg rows held in registers spilled (392 B; +0.39 ms), now re-read from the thread's
-own stores; the first measurement (2026-11-30, SIMT) was 4.95 ms, 3.18x.
+Why this design: bf16 wgmma cannot carry k exp2(..) within 2x of fla's tf32 error, and a
+mid-block anchor (fla's safe_gate form) overflows with strong gates; tf32 mma beat SIMT fp32
+FFMAs for the cross sums (4.150 vs 4.757 ms fold_dg). The column-per-thread map keeps a column's
+16 g / k values in registers for the whole block. Nsight Compute (fold_dg): the diagonal walks
+~57% of stall samples, DRAM at 52% of peak, 16 warps per SM: latency-bound; the per-block L2
+prefetch took 4.078 -> 3.954 ms. Errors vs float64 2.5-4x below fla's; validated on CPU by a PTX
+interpreter (tests/kda_cute/test_intra_compile.py).
 
-Where the time goes (Nsight Compute, fold_dg, reference shape): staging to the first barrier
-~13% of stall samples, cross sums ~24%, the diagonal walks ~57%, the end (fold fix-up, db) ~7%
-of which the first end barrier ~4.5%. 16 warps per SM (128 registers, 113 KB smem per CTA),
-IPC 1.6, DRAM at 52% of peak: latency-bound.
+Today (H200, 2026-12-01, 3 calls per sample): fold_dg 3.758-3.837 ms = 4.04-4.08x fla's intra +
+dg cumsum (15.3-15.5 ms); the stage benchmark (the chain's call, fold_dg + emit_bf16, one call per
+round) 3.660 vs 15.652 ms = 4.28x.
 
-Cost model (static; SASS from ptxas 13.0 -arch=sm_90a on the DSL's PTX, K=128): 102 / 158
-instructions per 8 source / target rows, ~5.9k / 5.4k per thread, ~45k warp-instructions per
-CTA. The SIMT path (below) had ~72k and ran at ~2 IPC per SM (4.95 ms where 4 IPC predicted
-2.3): latency-bound, 16 warps per SM, a CTA's 24 staging loads overlapped only with the other
-CTA's compute. By the same ~2 IPC the mma path would take ~3.1 ms; it takes 4.0-4.15.
-
-Alternatives considered. (1) bf16 wgmma for the cross sums: cannot carry k exp2(..) in bf16
-within 2x of fla's tf32 error. (2) A mid-block anchor for the diagonal (fla's safe_gate form,
-one GEMM per block): positive exponents, overflow with strong gates; rejected by the numerics
-rule. (3) The seed's (32 d-groups x 16 row-lanes) thread map: each row is a warp, so db is one
-butterfly, but the triangle needs row-dependent trip counts and q/k/g rows are re-read per lane
-group; the column map keeps a column's 16 g/k values in registers for the whole block. (4) mma
-C fragments consumed in place (no smem stage): the diagonal would then need 8 columns x 16 rows
-of g/k per lane, far over the register budget. (5) The cross sums as SIMT fp32 FFMAs (one FFMA per
-(r, s, d), dA as warp-uniform LDS.128 broadcasts): ~1000x below fla's error (2.5e-8..1e-7) but
-13-15% slower (4.757 vs 4.150 ms fold_dg, H200 2026-12-01); it was the first default and was
-deleted once the mma path measured faster (end to end it had kept dA_log's error at 3.5e-3
-where the mma path gives 6.6e-3 against fla's 5.8e-3). (6) A multi-chunk CTA (cpc consecutive
-chunks of one head, cp.async double-buffered staging, 512 threads, one CTA per SM), meant to hide each
-CTA's staging and tail: measured on the H200 2026-12-01 against the SIMT default's 5.168 ms at
-the reference shape: cpc 4/8/16 5.85/5.82/5.59, cpc 8 + pf 4 6.14, cpc 8 + xu 2 5.09; slower or
-level at every shape, so it was deleted (logs/check_intra_cpc_2026-12-01_H200.log).
-(7) The whole chunk's incoming grads (96 KB) prefetched into L2 at CTA start: no gain (4.138 vs
-4.097 ms) while DRAM throughput rose from 52% to 63%: 264 resident CTAs x 96 KB is half the L2,
-lines were evicted before use and read twice. Per block (24 KB) it works (above). (8) Groups
-taking blocks {g, 3 - g} so both carry equal cross work: level (4.077 vs 4.078); the first end
-barrier's wait stayed ~4.5% of samples, so it is warp skew, not the block split. (9) pf 3 / 4
-without the L2 prefetch: 4.004 / 4.421 ms (pf 4 spills). (10) Staging loads from one base pointer
-per tensor (immediate row strides; 50M fewer IMAD/LEA): level. 7-10: logs/ab_intra_2026-12-01*.
-(11) Streaming (st.global.cs) output stores: fold 3.938 vs 3.847; with evict_last on the block
-prefetch 3.949; L2 prefetch of the next CTA's staging rows (linear id + 2 x SM count) 4.245 (L2
-thrash, as in 7); the end with named barriers (db waits for its own group only, the fold for
-later groups' totals) 3.995: all slower (logs/ab_intra_2026-12-01e). (12) db by recursive
-halving (a lane keeps one row of a pair and sends the other: 16 rows in 16 shuffles instead of
-80, the same pairing tree, bitwise the same sums), at the block's end, advanced with the walk, or
-per 2 / 4 rows: every form raised spills (32 -> 180-480 bytes at 128 registers) and measured
-level to 15% slower (3.76-4.31 vs 3.76-3.84 ms; logs f, h). Reading SASS for this: shuffles
-after divergent code get a BRA.DIV slow path that repeats the rest of the kernel, so static
-instruction counts double-count; compare the hot loops (between backward branches) instead.
+History, falsified experiments and their logs: docs/perf/intra.md.
 """
 
-
-
+from dataclasses import dataclass
 
 import torch
 
@@ -139,12 +68,9 @@ NBLK = BT // BC
 THREADS = 256
 SUPPORTED_K = (64, 128)
 
-# Grid gate: below this many CTAs (chunks x heads x batch) the grid does not fill the GPU once
-# (two CTAs per SM), and fla's 16x finer grid is the better bet. None = one full wave on this
-# device (2 x SM count, 264 on the H200). Measured faster at every grid timed (H200 2026-12-01:
-# 1024 CTAs, B1 T4096 H16, 0.238 vs 0.677 ms); below 1024 not timed, so the gate stays at one
-# wave. Tests set 0 to run every size.
-_MIN_CTAS = None
+# Grid gate: below one full wave (2 CTAs x SM count, 264 on the H200) fla runs. Faster at every
+# grid timed (1024 CTAs: 0.238 vs fla 0.677 ms); below 1024 not timed. docs/perf/intra.md.
+CTAS_PER_SM = 2
 
 _cache = CallCache("intra")
 
@@ -612,11 +538,10 @@ def _kernel_class():
     return _KERNEL_CLASS
 
 
-def _cutlass_dtype(dt: torch.dtype):
+def _cutlass_dtype(name: str):
     import cutlass
 
-    table = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}
-    return table[dt]
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
 
 
 # ----------------------------------------------------------------------------------- host side
@@ -667,50 +592,61 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
     B, T, H, K = q.shape
     HV = gk.shape[2]
     ctas = B * (T // BT) * HV
-    gate = _MIN_CTAS
-    if gate is None:
-        gate = 2 * sm_count_of(q)
+    gate = CTAS_PER_SM * sm_count_of(q)
     if ctas < gate:
         return f"grid of {ctas} CTAs < {gate}: too small to fill the GPU (fla is faster)"
     return None
 
 
-# Rows of incoming dq/dk/dg loaded into registers ahead of the diagonal walk (the rest of the
-# block's rows are in L2 by then), for fp32 dq/dk outputs and for emit_bf16. Read per call so
-# bench/check_intra.py --sweep can time others. H200 2026-12-01, reference shape, same run
-# (logs/ab_intra_2026-12-01c_H200.log): fp32 out pf 1/2/3 3.815/3.920/3.869 ms, bf16 out
-# 3.809/3.744/3.717; without the L2 prefetch pf 4 spilled (+8%).
-_TUNE = {"pf": 1, "pf_bf16": 2}
+# Rows of incoming grads loaded ahead of the diagonal walk, fp32 out / emit_bf16 (`pf=` overrides:
+# check_intra.py --sweep). H200 2026-12-01: pf 1/2/3 3.815/3.920/3.869 ms, bf16 3.809/3.744/3.717.
+PREFETCH = {False: 1, True: 2}
 # Registers per thread: two 256-thread CTAs per SM (the design point) need <= 128.
 MAXREG = 128
+_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16):
-    # H and HV are static extents of the views (row strides become immediates); B, T dynamic
-    return (q.dtype, beta.dtype, K, H, HV, bool(fold_dg), bool(emit_bf16), compile_arch(),
-            tuple(sorted(_TUNE.items())))
+@dataclass(frozen=True)
+class IntraConfig:
+    """Everything the compiled intra depends on: the call cache's compile key. H and HV are
+    static extents of the views (row strides become immediates); B and T are dynamic."""
+
+    io_dtype: str  # q / k: "bf16" / "fp16"
+    beta_dtype: str  # "bf16" / "fp16" / "fp32"
+    K: int
+    H: int
+    HV: int
+    fold_dg: bool
+    emit_bf16: bool
+    pf: int
+    arch: str
 
 
-def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False, keep_ptx=False):
+def _config(q, gk, beta, fold_dg, emit_bf16, pf) -> IntraConfig:
+    emit_bf16 = bool(emit_bf16)
+    return IntraConfig(_DT[q.dtype], _DT[beta.dtype], q.shape[3], q.shape[2], gk.shape[2], bool(fold_dg),
+                       emit_bf16, PREFETCH[emit_bf16] if pf is None else int(pf), compile_arch())
+
+
+def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False, keep_ptx=False,
+                *, pf=None):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
     import cuda.bindings.driver as cuda
 
     from ._common.cache import cute_view
 
-    B, T, H, K = q.shape
-    HV = gk.shape[2]
     outs = _outputs(q, gk, beta, emit_bf16, device=q.device)
     args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, *outs)
     views = [cute_view(t, (0, 1)) for t in args]
-    return _build(views, cuda.CUstream(0), q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx)
+    return _build(views, cuda.CUstream(0), _config(q, gk, beta, fold_dg, emit_bf16, pf), keep_ptx)
 
 
-def _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16, keep_ptx=False):
+def _build(views, stream, cfg: IntraConfig, keep_ptx=False):
     import cutlass.cute as cute
 
     kern = _kernel_class()(
-        _cutlass_dtype(q.dtype), _cutlass_dtype(beta.dtype), K, HV // H, fold_dg, emit_bf16,
-        _TUNE["pf_bf16"] if emit_bf16 else _TUNE["pf"]
+        _cutlass_dtype(cfg.io_dtype), _cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.HV // cfg.H, cfg.fold_dg,
+        cfg.emit_bf16, cfg.pf
     )
     opts = f"--ptxas-options --maxrregcount={MAXREG}" + (" --keep-ptx" if keep_ptx else "")
     return cute.compile(kern, *views, stream, options=opts)
@@ -727,30 +663,23 @@ def _outputs(q, gk, beta, emit_bf16, device):
     )
 
 
-def bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False):
+def bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False, *, pf=None):
     """fla's chunk_kda_bwd_intra (chunk 64, safe_gate off) -> (dq, dk, db, dg), fresh outputs.
 
     fold_dg: dg comes back reverse-cumsummed within each 64-chunk (chunk_local_cumsum reverse).
-    emit_bf16: dq/dk in q's dtype (the cast of the fp32 result; for HV == H)."""
+    emit_bf16: dq/dk in q's dtype (the cast of the fp32 result; for HV == H).
+    pf: rows prefetched ahead of the diagonal walk (default PREFETCH; a tuning sweep's knob)."""
     reason = _hard_reason(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
     if reason is not None:
         raise ValueError(f"kda_cute.intra.bwd_intra: unsupported call: {reason}")
-    return launch(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg, emit_bf16)
+    return launch(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg, emit_bf16, pf=pf)
 
 
-def launch(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False):
+def launch(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False, *, pf=None):
     """`bwd_intra` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    B, T, H, K = q.shape
-    HV = gk.shape[2]
     outs = _outputs(q, gk, beta, emit_bf16, q.device)
     args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, *outs)
-    key = _compile_key(q, beta, H, HV, K, fold_dg, emit_bf16)
-    _cache.launch(
-        key,
-        args,
-        ((0, 1),) * len(args),
-        lambda views, stream: _build(views, stream, q, beta, H, HV, K, fold_dg, emit_bf16),
-    )
-    dq_o, dk_o, db_o, dg_o = outs
-    return dq_o, dk_o, db_o, dg_o
+    cfg = _config(q, gk, beta, fold_dg, emit_bf16, pf)
+    _cache.launch(cfg, args, ((0, 1),) * len(args), lambda views, stream: _build(views, stream, cfg))
+    return outs

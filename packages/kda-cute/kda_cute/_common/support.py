@@ -11,6 +11,8 @@ No stage logic lives here.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 from functools import cache
@@ -51,16 +53,46 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# The device a meta tensor stands for while `probing(device)` is active: `is_supported` asks the
+# stages' gates on meta tensors (shapes without memory) for a call that would run on `device`.
+_probe_device: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar(
+    "probe_device", default=None)
+
+
+@contextlib.contextmanager
+def probing(device: torch.device):
+    """Within the block, meta tensors answer `device_reason` / `sm_count_of` as if on `device`."""
+    token = _probe_device.set(torch.device(device))
+    try:
+        yield
+    finally:
+        _probe_device.reset(token)
+
+
+def device_of(t: torch.Tensor) -> torch.device:
+    """`t`'s device, or the probed device for a meta tensor inside `probing`."""
+    if t.device.type == "meta":
+        probed = _probe_device.get()
+        if probed is not None:
+            return probed
+    return t.device
+
+
+def _index(dev: torch.device) -> int:
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def sm_count_of(t: torch.Tensor) -> int:
-    """The SM count of the CUDA device `t` lives on."""
-    return sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    """The SM count of the CUDA device `t` lives on (or stands for, see `probing`)."""
+    return sm_count(_index(device_of(t)))
 
 
 def device_reason(t: torch.Tensor) -> str | None:
     """Reason a CuTe sm_90 kernel cannot run on `t`'s device, or None."""
-    if t.device.type != "cuda":
+    dev = device_of(t)
+    if dev.type != "cuda":
         return "no CUDA device" if not torch.cuda.is_available() else "tensors are not on CUDA"
-    cap = _device_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    cap = _device_capability(_index(dev))
     if cap != (9, 0):
         return f"kernels are built for sm_90 (Hopper); this device is sm_{cap[0]}{cap[1]}"
     if not has_cute():
@@ -71,15 +103,3 @@ def device_reason(t: torch.Tensor) -> str | None:
 def compile_arch() -> str:
     """The arch the DSL compiles for. Without a GPU the DSL defaults to sm_100; CI sets sm_90a."""
     return os.environ.get("CUTE_DSL_ARCH", "sm_90a")
-
-
-FORCE_ENV = "KDA_FORCE_FLA"
-
-
-def forced_fla(stage: str) -> bool:
-    """`KDA_FORCE_FLA=all` or a comma list of stage names; read on every call."""
-    val = os.environ.get(FORCE_ENV, "").strip()
-    if not val:
-        return False
-    names = {s.strip() for s in val.split(",")}
-    return "all" in names or "1" in names or stage in names

@@ -1,0 +1,121 @@
+"""The CuTe stages: one record per kernel module, from which everything else is derived.
+
+A record says what a stage is to the rest of the project, without importing the CuTe DSL:
+
+    name        the chain's stage name; the kernel module is `kda_cute.<name>`
+    contract    the contract function (same name and arguments in `kda_cute.reference` and in the
+                module; ARCHITECTURE.md lists them)
+    kernels     the kernel names a CUDA trace shows (as substrings of the DSL-decorated names)
+    probe       `probe(dims) -> args`: the positional arguments a chain call passes at these
+                extents, as meta tensors (for `kda_chain.is_supported`: no memory)
+    flags       keyword flags the chain passes to the CuTe kernel only (fla's function lacks them)
+
+Derived from `STAGES`: the chain's stage table (`kda_chain.stages`: CuTe kernel, then fla, then
+the reference), `kda_chain.is_supported`, the witness's expected kernels (registered by the
+chain at import) and its CLI text, the tests' and the benchmarks' stage lists.
+
+Adding a CuTe stage: write `kda_cute/<name>.py` (exporting the contract function, `launch`,
+`is_supported`) and append one record here. `tests/kda_chain/test_registry.py` fails if the
+chain dispatches to a CuTe kernel the witness does not expect.
+
+A kernel module exports
+    <contract>(...)       the contract, with checks (ValueError on a call it cannot compute)
+    launch(...)           the contract without the checks (the chain's gate has just made them)
+    is_supported(...)     None, or the reason the kernel does not take this call
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from ._common.support import device_of, device_reason, probing
+
+__all__ = ["STAGES", "BY_NAME", "CuteStage", "Dims", "kernel_stages", "device_of", "device_reason", "probing"]
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The extents of a chunk_kda call: q, k [B, T, H, K]; v [B, T, HV, V]; `dtype` q's."""
+
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def t(self, *shape, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A meta tensor (no storage) of this shape, in q's dtype unless given."""
+        return torch.empty(shape, device="meta", dtype=dtype or self.dtype)
+
+
+@dataclass(frozen=True)
+class CuteStage:
+    name: str
+    contract: str
+    kernels: tuple[str, ...]
+    probe: Callable[[Dims], tuple]
+    flags: tuple[str, ...] = ()
+
+    @property
+    def module_name(self) -> str:
+        return f"kda_cute.{self.name}"
+
+    def load(self) -> ModuleType | None:
+        """The kernel module, or None if it is not written yet (any other import error raises)."""
+        try:
+            return importlib.import_module(self.module_name)
+        except ModuleNotFoundError as e:
+            if e.name == self.module_name:
+                return None
+            raise
+
+
+_F32 = torch.float32
+
+
+def _probe_fwd(d: Dims) -> tuple:
+    # fwd_scan(q, qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale); qg as
+    # fwd_intra gives it when the kernel is planned, Aqk in k's dtype (fla 0.6.0)
+    kv, gk = d.t(d.B, d.T, d.HV, d.K), d.t(d.B, d.T, d.HV, d.K, dtype=_F32)
+    return (d.t(d.B, d.T, d.H, d.K), kv, kv, kv, d.t(d.B, d.T, d.HV, d.V), gk, d.t(d.B, d.T, d.HV, 64),
+            None, False, d.K**-0.5)
+
+
+def _probe_b1(d: Dims) -> tuple:
+    # fwd_h(kg, w, u, gk, initial_state, output_final_state)
+    kv = d.t(d.B, d.T, d.HV, d.K)
+    return (kv, kv, d.t(d.B, d.T, d.HV, d.V), d.t(d.B, d.T, d.HV, d.K, dtype=_F32), None, False)
+
+
+def _probe_dhu(d: Dims) -> tuple:
+    # bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale)
+    kv, vv = d.t(d.B, d.T, d.HV, d.K), d.t(d.B, d.T, d.HV, d.V)
+    return (kv, kv, kv, d.t(d.B, d.T, d.HV, d.K, dtype=_F32), None, None, vv, vv, d.K**-0.5)
+
+
+def _probe_intra(d: Dims) -> tuple:
+    # bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg): dq, dk, db, dg fp32 from wy_dqkg
+    qk, g = d.t(d.B, d.T, d.H, d.K), d.t(d.B, d.T, d.HV, d.K, dtype=_F32)
+    a = d.t(d.B, d.T, d.HV, 64, dtype=_F32)
+    return (qk, qk, g, d.t(d.B, d.T, d.HV), a, a, g, g, d.t(d.B, d.T, d.HV, dtype=_F32), g)
+
+
+STAGES: tuple[CuteStage, ...] = (
+    CuteStage("fwd", "fwd_scan", ("kda_cute_fwd",), _probe_fwd),
+    CuteStage("b1", "fwd_h", ("kda_cute_b1",), _probe_b1),
+    CuteStage("dhu", "bwd_dhu", ("kda_cute_dhu",), _probe_dhu),
+    CuteStage("intra", "bwd_intra", ("kda_cute_intra",), _probe_intra, flags=("fold_dg", "emit_bf16")),
+)
+BY_NAME: dict[str, CuteStage] = {s.name: s for s in STAGES}
+
+
+def kernel_stages() -> dict[str, str]:
+    """Every CuTe kernel name -> the stage it implements."""
+    return {k: s.name for s in STAGES for k in s.kernels}

@@ -1,0 +1,141 @@
+"""Host policy the three state scans share (b1 = fwd_h, fwd = fwd_h + fwd_o, dhu): DSL-free.
+
+What a scan kernel is built for (K = 128, V in 64-wide tiles, bf16 / fp16, contiguous fp32
+states), how its compiled variant is chosen (TMA ring depth, warpgroups per CTA, by grid), the
+frozen config every build is keyed on, and the placeholder tensor an absent state binds to.
+Importing this module does not import the CuTe DSL: a stage's `is_supported` answers without it.
+The device half (views, TMA, wgmma, the mbarrier ring) is `kda_cute._scan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ._common.support import sm_count_of
+
+BT = 64  # chunk
+KD = 128  # key dim (state rows)
+BV = 64  # V tile per warpgroup (state columns)
+THREADS = 128  # one warpgroup
+
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # operand dtypes -> config names
+# the H200's and H100 SXM's SM count: the variant rule's default where no device is asked (CPU)
+DEFAULT_SMS = 132
+# V tiles (B * HV * V / 64) from which a CTA takes two warpgroups (two V tiles sharing every
+# V-independent operand tile), in all three scans: measured per kernel in docs/perf/{b1,fwd,dhu}.md.
+WIDE_FROM_TILES = 256
+
+
+# ----------------------------------------------------------------------------------- variants
+def v_tiles(B: int, HV: int, V: int) -> int:
+    return B * HV * (V // BV)
+
+
+def wide_grid(B: int, HV: int, V: int) -> bool:
+    """Two warpgroups (two V tiles) per CTA: V pairs up and the grid has >= WIDE_FROM_TILES tiles."""
+    return V % (2 * BV) == 0 and v_tiles(B, HV, V) >= WIDE_FROM_TILES
+
+
+def sms_of(t: torch.Tensor) -> int:
+    """The SM count of `t`'s GPU (DEFAULT_SMS for a CPU or meta tensor: compile-only builds)."""
+    return sm_count_of(t) if t.is_cuda else DEFAULT_SMS
+
+
+def pick_warpgroups(V: int, requested) -> int:
+    """Warpgroups per CTA (each owns one 64-wide V tile); 2 needs V % 128 == 0, else 1."""
+    n = 1 if requested is None else int(requested)
+    if n not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2 (got {requested})")
+    return n if V % (BV * n) == 0 else 1
+
+
+def pick_build(auto: tuple[int, int], stages, warpgroups, V: int) -> tuple[int, int]:
+    """(stages, warpgroups) to compile: the stage's `variant()` choice `auto`, each overridden
+    by a caller's explicit value, warpgroups through `pick_warpgroups`."""
+    return (auto[0] if stages is None else stages,
+            pick_warpgroups(V, auto[1] if warpgroups is None else warpgroups))
+
+
+# ------------------------------------------------------------------------------------ reasons
+def extent_reason(K: int, V: int, T: int) -> str | None:
+    """The extents every scan is built for: K = 128, V in 64-wide tiles, T >= 1."""
+    if K != KD:
+        return f"K={K} (only K=128)"
+    if V % BV:
+        return f"V={V} (V % 64 != 0)"
+    if T < 1:
+        return "T=0"
+    return None
+
+
+def floor_reason(shape_bthv, floor: int) -> str | None:
+    """The measured grid floor of a scan: `shape_bthv` is a [B, T, HV, V] output's shape."""
+    B, _, HV, V = shape_bthv
+    tiles = v_tiles(B, HV, V)
+    if tiles < floor:
+        return f"{tiles} V tiles (B*HV*V/64) below the measured floor {floor} (fla is faster)"
+    return None
+
+
+def state_reason(name: str, t, B: int, HV: int, K: int, V: int) -> str | None:
+    """An optional fp32 [B, HV, K, V] state (h0, ht's gradient): None when absent or usable."""
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or tuple(t.shape) != (B, HV, K, V):
+        return f"{name} must be fp32 [B, HV, K, V]"
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        return f"{name} not contiguous / aligned"
+    return None
+
+
+def operand_reason(kg, w, u, gk, initial_state=None) -> str | None:
+    """The checks of fwd_h's operands (kg, w, u, gk, h0), which b1 and fwd share."""
+    if u.dtype not in DTYPES:
+        return f"dtype {u.dtype} (bf16/fp16 only)"
+    if kg.dtype != u.dtype or w.dtype != u.dtype:
+        return "kg, w, u must share one dtype"
+    if gk.dtype != torch.float32:
+        return f"gk must be fp32 (got {gk.dtype})"
+    if u.dim() != 4 or kg.dim() != 4 or w.dim() != 4 or gk.dim() != 4:
+        return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
+    B, T, HV, V = u.shape
+    K = kg.shape[-1]
+    r = extent_reason(K, V, T)
+    if r:
+        return r
+    if tuple(w.shape) != (B, T, HV, K) or tuple(gk.shape) != (B, T, HV, K):
+        return "w / gk must be [B, T, HV, K]"
+    if kg.shape[0] != B or kg.shape[1] != T or HV % kg.shape[2]:
+        return "kg must be [B, T, H, K] with HV % H == 0"
+    for name, t in (("kg", kg), ("w", w), ("u", u), ("gk", gk)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    return state_reason("initial_state", initial_state, B, HV, K, V)
+
+
+# ------------------------------------------------------------------------------------- builds
+class Build:
+    """A scan kernel's builder over its frozen config (the compile key): the config's fields as
+    attributes, `dtype` as the cutlass type; tracing adds the layouts and the smem struct."""
+
+    def __init__(self, config):
+        import cutlass
+
+        for f in dataclasses.fields(config):
+            setattr(self, f.name, getattr(config, f.name))
+        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[config.dtype]
+
+
+_dummies: dict = {}
+
+
+def dummy(dev) -> torch.Tensor:
+    """A tiny fp32 [1, 1, 128, 64] placeholder for an absent h0 / ht / dht / dh0 (never touched)."""
+    d = _dummies.get(dev)
+    if d is None:
+        d = _dummies[dev] = torch.zeros((1, 1, KD, BV), dtype=torch.float32, device=dev)
+    return d

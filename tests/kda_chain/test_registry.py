@@ -1,0 +1,60 @@
+"""One record per CuTe stage (kda_cute.registry) is the source of the chain's table, the witness's
+expectation and is_supported: these tests fail when the two sides drift apart."""
+
+import kda_witness
+import pytest
+import torch
+from kda_chain import STAGES, is_supported
+from kda_cute import registry
+
+
+def _chain_cute_stages() -> set[str]:
+    """The stages whose implementations include a CuTe kernel, read from the chain's table."""
+    return {name for name, st in STAGES.items() if any(i.name == "cute" for i in st.impls)}
+
+
+def test_witness_expects_exactly_the_chains_cute_stages():
+    """A CuTe stage in the chain that the witness does not expect could fall back while
+    `--require-cute` passes: the expectation must name every one, with its kernels."""
+    expected = kda_witness.expected_kernels()
+    assert set(expected.values()) == _chain_cute_stages()
+    for rec in registry.STAGES:
+        for k in rec.kernels:
+            assert expected.get(k) == rec.name, (k, rec.name, expected)
+
+
+def test_every_record_has_a_module_with_the_contract():
+    for rec in registry.STAGES:
+        mod = rec.load()
+        assert mod is not None, rec.module_name
+        for fn in (rec.contract, "launch", "is_supported"):
+            assert callable(getattr(mod, fn, None)), (rec.module_name, fn)
+
+
+@pytest.mark.parametrize("rec", registry.STAGES, ids=lambda r: r.name)
+def test_probe_arguments_bind_to_the_contract(rec):
+    """`is_supported`'s probe passes exactly the positional arguments of the contract."""
+    import inspect
+
+    from kda_cute import reference
+
+    d = registry.Dims(2, 128, 2, 4, 128, 256)
+    args = rec.probe(d)
+    inspect.signature(getattr(reference, rec.contract)).bind(*args, **{f: False for f in rec.flags})
+    assert all(a.device.type == "meta" for a in args if isinstance(a, torch.Tensor))
+
+
+def test_is_supported_allocates_nothing_and_takes_meta_tensors():
+    """The answer comes from meta tensors standing for q's device: a meta q is not 'not on CUDA'
+    because of the probe, and no storage is allocated whatever the shape (B16 T65536 here)."""
+    q = torch.empty(16, 65536, 16, 128, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(16, 65536, 16, 256, device="meta", dtype=torch.bfloat16)
+    r = is_supported(q, v)
+    assert set(r) == {s.name for s in registry.STAGES}
+    assert all(reason for reason in r.values())  # a meta device runs no kernel, and says why
+
+
+def test_registered_kernel_names_must_be_distinguishable():
+    with pytest.raises(ValueError, match="substring"):
+        kda_witness.register_kernels({"kda_cute_b1": "b1", "kda_cute_b1x": "b1x"})
+    assert kda_witness.expected_kernels() == registry.kernel_stages()  # unchanged by the refusal
