@@ -2,7 +2,7 @@
 
 Why it exists (H200, 2026-11-30): at B2 T4096 H16 K=V=128 our fwd+bwd took 5.73 ms against
 fla's 4.36 although every CuTe stage it ran was faster there. What it found (2026-12-01,
-bench/NOTES.md "Host time at small shapes"): both chains are host-bound at that shape (60-250 us
+docs/perf/method.md, host time at small shapes): both chains are host-bound at that shape (60-250 us
 of host time per launch on the device machine), and ours also paid a profiler range per stage
 with no profiler running; after that fix ours is 4.04 ms against fla's 4.51. It measures, in one
 process, side by side with fla:

@@ -10,13 +10,14 @@ fla cannot run (no CUDA), such a call raises rather than silently doing somethin
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from kda_cute import registry
 from kda_witness import stage_range
 
 from . import stages as S
-from .autograd import ChunkKDAFunction
+from .autograd import ChunkKDAFunction, EmptyKDAFunction
 from .forward import Flags
 
 log = logging.getLogger("kda_chain")
@@ -46,7 +47,7 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
-             use_beta_sigmoid_in_kernel, allow_neg_eigval) -> None:
+             use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens=None) -> None:
     """Every check fla makes, plus device/dtype/stride checks fla leaves to a crash."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -70,10 +71,18 @@ def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel
     _check(v.dtype == q.dtype, f"v dtype {v.dtype} differs from q dtype {q.dtype}")
     if initial_state is not None:
         V = v.shape[3]
-        _check(tuple(initial_state.shape) == (B, HV, K, V),
-               f"initial_state must have shape {[B, HV, K, V]}, got {list(initial_state.shape)}")
-        _check(initial_state.dtype in (torch.float32, torch.float64),
-               f"initial_state must be float32, got {initial_state.dtype}")
+        N = B if cu_seqlens is None else len(cu_seqlens) - 1  # varlen: one state per sequence
+        _check(tuple(initial_state.shape) == (N, HV, K, V),
+               f"initial_state must have shape {[N, HV, K, V]}, got {list(initial_state.shape)}")
+        ok = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+        _check(initial_state.dtype in ok,
+               f"initial_state must be float32 (float64 only with float64 inputs, the reference's "
+               f"precision), got {initial_state.dtype}")
+    if cu_seqlens is None and 0 < T < H:
+        warnings.warn(
+            f"chunk_kda: q has T={T} < H={H} (shape {list(q.shape)}): inputs are [B, T, H, K] "
+            "(sequence before heads); head-first [B, H, T, K] tensors give wrong results. "
+            "Transpose them with .transpose(1, 2) if that is what they are.", stacklevel=3)
     if use_gate_in_kernel:
         _check(A_log is not None or lower_bound is not None,
                "A_log must be given when use_gate_in_kernel=True and lower_bound is not set")
@@ -116,6 +125,12 @@ def chunk_kda(
 
     A_log, dt_bias and chunk_size come through **kwargs as in fla.
     """
+    if "transpose_state_layout" in kwargs:  # fla 0.6.0's deprecated name for state_v_first
+        if state_v_first:
+            raise ValueError("chunk_kda: pass state_v_first or transpose_state_layout, not both")
+        warnings.warn("chunk_kda: transpose_state_layout is deprecated; use state_v_first",
+                      DeprecationWarning, stacklevel=2)
+        state_v_first = bool(kwargs.pop("transpose_state_layout"))
     A_log = kwargs.get("A_log") if use_gate_in_kernel else None
     dt_bias = kwargs.get("dt_bias") if use_gate_in_kernel else None
     chunk_size = kwargs.get("chunk_size", 64)
@@ -123,7 +138,7 @@ def chunk_kda(
     if unknown:
         raise TypeError(f"chunk_kda: unexpected keyword arguments {sorted(unknown)}")
     validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
-             use_beta_sigmoid_in_kernel, allow_neg_eigval)
+             use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens)
 
     reason = _delegated_reason(
         chunk_size=chunk_size, safe_gate=safe_gate, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
@@ -147,6 +162,8 @@ def chunk_kda(
                 state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                 cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs, **kwargs)
 
+    if q.shape[1] == 0:  # fla's answer at T = 0, without launching anything
+        return EmptyKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     flags = Flags(scale=float(scale), chunk_size=chunk_size, output_final_state=output_final_state,

@@ -23,6 +23,7 @@ table has no kernels and its times are CPU wall time of the stage ranges.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -61,35 +62,60 @@ def first_sequence(x: dict, cot: dict) -> tuple[dict, dict]:
             {n: t[:1] for n, t in cot.items()})
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="kda-witness",
         description="Run one fwd+bwd of kda_chain.chunk_kda, show which kernels ran and why, time it "
-        "against fla, and check it against the float64 reference. Shape defaults: "
-        f"GPU {SHAPE_GPU}, CPU {SHAPE_CPU}.",
+        "against fla, and check it against the float64 reference.",
     )
-    for dim in ("B", "T", "H", "HV", "K", "V"):
-        p.add_argument(f"--{dim}", type=int, default=None)
-    p.add_argument("--dtype", choices=list(DTYPES), default=None)
+    on = "GPU" if torch.cuda.is_available() else "CPU"
+    defaults = SHAPE_GPU if on == "GPU" else SHAPE_CPU
+    names = {"B": "batch", "T": "sequence length", "H": "q/k heads", "HV": "v heads (a multiple of H)",
+             "K": "key head dim", "V": "value head dim"}
+    for dim, what in names.items():
+        p.add_argument(f"--{dim}", type=_positive, default=None,
+                       help=f"{what} (default on this {on}: {defaults[dim]})")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help=f"q/k/v dtype (default on this {on}: {defaults['dtype']})")
     flag = argparse.BooleanOptionalAction
     p.add_argument("--gate-in-kernel", action=flag, default=True,
                    help="use_gate_in_kernel: g is raw, with A_log and dt_bias (default on)")
     p.add_argument("--l2norm", action=flag, default=True, help="use_qk_l2norm_in_kernel (default on)")
     p.add_argument("--initial-state", action=flag, default=True, help="pass h0 (default on)")
     p.add_argument("--final-state", action=flag, default=True, help="output_final_state (default on)")
-    p.add_argument("--reps", type=int, default=5, help="timed calls after one warm-up (median)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reps", type=_positive, default=5,
+                   help="timed calls after one warm-up, median reported (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--require-cute", action="store_true",
                    help=f"exit 1 if any of the stages {', '.join(CUTE_STAGES)} did not run its CuTe kernel")
-    p.add_argument("--trace", metavar="FILE", help="write the profiled call's Chrome trace here")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write the profiled call's Chrome trace here (default: none)")
     p.add_argument("--check-full", action="store_true",
                    help="check accuracy on the whole batch even at large shapes (default: above "
                    f"{CHECK_FULL_LIMIT:.0e} B*T*HV*max(K,V) elements, on the first sequence only)")
     args = p.parse_args(argv)
-    defaults = SHAPE_GPU if torch.cuda.is_available() else SHAPE_CPU
     for key, val in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, val)
+    if args.HV % args.H:
+        p.error(f"--HV {args.HV} must be a multiple of --H {args.H}")
+    if args.trace:
+        parent = os.path.dirname(os.path.abspath(args.trace))
+        if not os.path.isdir(parent):
+            p.error(f"--trace {args.trace}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            p.error(f"--trace {args.trace}: directory {parent} is not writable")
     args.dtype = DTYPES[args.dtype]
     return args
 
@@ -175,8 +201,12 @@ def main(argv=None) -> int:
     x, flags, cot = make_inputs(a, device)
 
     # ours: the timing (its warm-up compiles), then one profiled warm call for the stage table
-    progress("ours: warm-up (compiles the CuTe kernels and fla's Triton kernels on a fresh machine), "
-             f"then {a.reps} timed calls")
+    if cuda:
+        progress("ours: warm-up (compiles the CuTe kernels and fla's Triton kernels on a fresh machine), "
+                 f"then {a.reps} timed calls")
+    else:
+        progress(f"ours: warm-up, then {a.reps} timed calls (the plain-torch reference stages; nothing "
+                 "compiles on CPU)")
     ours_ms = median_ms(lambda: fwd_bwd(chunk_kda, x, flags, cot), a.reps, cuda)
     progress("ours: one profiled call for the stage table")
     prof = profile(fwd_bwd, chunk_kda, x, flags, cot)
