@@ -16,8 +16,9 @@ import torch
 from kda_cute import registry
 from kda_witness import stage_range
 
+from . import op
 from . import stages as S
-from .autograd import ChunkKDAFunction, EmptyKDAFunction
+from .autograd import EmptyKDAFunction
 from .forward import Flags
 
 log = logging.getLogger("kda_chain")
@@ -95,7 +96,6 @@ def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel
         _check(use_beta_sigmoid_in_kernel, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
 
 
-@torch.compiler.disable
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -173,7 +173,7 @@ def chunk_kda(
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, flags)
+    return op.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, flags)
 
 
 def is_supported(q: torch.Tensor, v: torch.Tensor | None = None, **flags) -> dict[str, str | None]:

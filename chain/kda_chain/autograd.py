@@ -1,52 +1,16 @@
-"""The autograd Function: forward.py on the way in, backward.py on the way back.
-
-Saved tensors go through `save_for_backward` (so autograd's version checks apply); the rest of
-`Saved` rides on ctx. Gradients come back in the dtypes fla 0.6.0 returns: each input's own.
-As in fla, both directions run under the inputs' CUDA device (Triton and the CuTe launches use
-the current device) and with autocast's custom_fwd/custom_bwd semantics.
+"""Autograd pieces outside the custom ops (kda_chain.op): the device guard both directions run
+under (Triton and the CuTe launches use the current device), and T = 0's empty answer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
-
-from .backward import backward
-from .forward import Flags, Saved, forward
-
-_TENSOR_FIELDS = [f.name for f in dataclasses.fields(Saved)]
 
 
 def device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
-class ChunkKDAFunction(torch.autograd.Function):
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, flags: Flags):
-        with device_guard(q):
-            o, ht, saved = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, flags)
-        ctx.save_for_backward(*(getattr(saved, n) for n in _TENSOR_FIELDS))
-        ctx.flags = flags
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
-        if ht is not None:
-            return o, ht
-        return o, None
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, do, dht):
-        saved = Saved(*ctx.saved_tensors)
-        if dht is not None:
-            dht = dht.contiguous()
-        with device_guard(do):
-            dq, dk, dv, dg, db, dA_log, ddt_bias, dh0 = backward(do.contiguous(), dht, saved, ctx.flags)
-        tq, tk, tv, tg, tb = ctx.dtypes
-        return (dq.to(tq), dk.to(tk), dv.to(tv), dg.to(tg), db.to(tb), dA_log, ddt_bias, dh0, None)
 
 
 class EmptyKDAFunction(torch.autograd.Function):

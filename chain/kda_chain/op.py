@@ -1,0 +1,167 @@
+"""`chunk_kda` as two torch.library custom ops, so torch.compile and torch.export see one opaque
+node per direction instead of a graph break:
+
+    kda::chunk_kda_fwd   forward.py  -> o, ht, and what the backward needs (fla's saved set)
+    kda::chunk_kda_bwd   backward.py -> dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
+
+with fake (meta) implementations that give every output's shape and dtype from the inputs alone,
+and the autograd formula registered on the forward op. A custom op may not return None nor an
+alias of an input: an absent output (ht without output_final_state, rstd without l2norm, ...) is
+an empty placeholder tensor, and a saved tensor that is an input (q without l2norm, beta without
+the in-op sigmoid) is taken from the inputs, not returned.
+
+Output dtypes are fla 0.6.0's (what its kernels allocate): o, the normalized q / k and Aqk / Akk
+in q's dtype, rstd / gk / the activated beta in fp32 (fp64 for fp64 inputs, the reference's
+precision). The real implementation checks its results against them (`_expect`), so a stage that
+ever returned another dtype fails loudly instead of disagreeing with the compiled graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .autograd import device_guard
+from .backward import backward
+from .forward import Flags, Saved, forward
+
+_EMPTY = (0,)
+
+
+def _f32(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty(_EMPTY)
+
+
+def _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, l2norm, gate, beta_sigmoid):
+    """(shape, dtype) of each output of kda::chunk_kda_fwd, None for an empty placeholder."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    f32 = _f32(q)
+    return [
+        ((B, T, HV, V), q.dtype),  # o
+        ((B, HV, K, V), torch.float32 if initial_state is None else initial_state.dtype)
+        if output_final_state else None,  # ht
+        ((B, T, H, K), q.dtype) if l2norm else None,  # q, l2-normalized
+        ((B, T, H), f32) if l2norm else None,  # q_rstd
+        ((B, T, H, K), k.dtype) if l2norm else None,  # k, l2-normalized
+        ((B, T, H), f32) if l2norm else None,  # k_rstd
+        ((B, T, HV, K), f32) if not gate else None,  # gk (recomputed in the backward with the gate)
+        ((B, T, HV), f32) if beta_sigmoid else None,  # beta after the sigmoid
+        ((B, T, HV, 64), k.dtype),  # Aqk
+        ((B, T, HV, 64), k.dtype),  # Akk
+    ]
+
+
+_FWD_NAMES = ("o", "ht", "q", "q_rstd", "k", "k_rstd", "gk", "beta", "Aqk", "Akk")
+
+
+def _expect(name: str, t: Tensor, meta) -> Tensor:
+    """`t` as declared (contiguous, the fake's layout: a no-op for the kernels' outputs, a copy
+    for a reference stage's strided view), or a loud error when shape or dtype differ."""
+    shape, dtype = meta
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise RuntimeError(f"kda::chunk_kda: {name} came out {tuple(t.shape)} {t.dtype}, the op declares "
+                           f"{tuple(shape)} {dtype} (fake and real would disagree)")
+    return t.contiguous()
+
+
+@torch.library.custom_op("kda::chunk_kda_fwd", mutates_args=())
+def chunk_kda_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None,
+    initial_state: Tensor | None, scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
+    lower_bound: float | None,
+) -> list[Tensor]:
+    f = Flags(scale, 64, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound)
+    with device_guard(q):
+        o, ht, s = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f)
+    got = [o, ht, s.q, s.q_rstd, s.k, s.k_rstd, s.gk, s.beta if use_beta_sigmoid_in_kernel else None,
+           s.Aqk, s.Akk]
+    metas = _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel, use_beta_sigmoid_in_kernel)
+    return [_empty(q) if m is None else _expect(n, t, m)
+            for n, t, m in zip(_FWD_NAMES, got, metas, strict=True)]
+
+
+@chunk_kda_fwd.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_qk_l2norm_in_kernel,
+      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound):
+    metas = _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel, use_beta_sigmoid_in_kernel)
+    return [_empty(q) if m is None else q.new_empty(m[0], dtype=m[1]) for m in metas]
+
+
+@torch.library.custom_op("kda::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd(
+    do: Tensor, dht: Tensor | None, q: Tensor, q_rstd: Tensor | None, k: Tensor, k_rstd: Tensor | None,
+    v: Tensor, gk: Tensor | None, g: Tensor, beta_raw: Tensor, beta: Tensor, A_log: Tensor | None,
+    dt_bias: Tensor | None, Aqk: Tensor, Akk: Tensor, initial_state: Tensor | None, scale: float,
+    use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool, lower_bound: float | None,
+) -> list[Tensor]:
+    f = Flags(scale, 64, dht is not None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound)
+    s = Saved(q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state)
+    with device_guard(do):
+        grads = backward(do.contiguous(), None if dht is None else dht.contiguous(), s, f)
+    # each gradient in its input's dtype (fla's rule); absent ones as empty placeholders
+    likes = (q, k, v, g, beta_raw, A_log, dt_bias, initial_state)
+    return [_empty(do) if gr is None or t is None else gr.to(t.dtype).contiguous()
+            for gr, t in zip(grads, likes, strict=True)]
+
+
+@chunk_kda_bwd.register_fake
+def _(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state,
+      scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+      lower_bound):
+    gate = use_gate_in_kernel
+    likes = (q, k, v, g, beta_raw, A_log if gate else None, dt_bias if gate else None, initial_state)
+    return [_empty(do) if t is None else torch.empty_like(t) for t in likes]
+
+
+_FLAG_NAMES = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+               "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, *flags = inputs
+    f = dict(zip(_FLAG_NAMES, flags, strict=True))
+    _, _, qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk = output
+    l2, sig = f["use_qk_l2norm_in_kernel"], f["use_beta_sigmoid_in_kernel"]
+    ctx.save_for_backward(qn if l2 else q, q_rstd if l2 else None, kn if l2 else k, k_rstd if l2 else None, v,
+                          None if f["use_gate_in_kernel"] else gk, g, beta, beta_act if sig else beta, A_log,
+                          dt_bias, Aqk, Akk, initial_state)
+    ctx.flags = f
+    ctx.has_ht = f["output_final_state"]
+    ctx.needs = [A_log is not None, dt_bias is not None, initial_state is not None]
+
+
+def _backward(ctx, grads):
+    do, dht = grads[0], grads[1]
+    f = ctx.flags
+    dht = dht if ctx.has_ht else None
+    saved = ctx.saved_tensors
+    out = torch.ops.kda.chunk_kda_bwd(do, dht, *saved, f["scale"], f["use_qk_l2norm_in_kernel"],
+                                      f["use_gate_in_kernel"], f["use_beta_sigmoid_in_kernel"],
+                                      f["allow_neg_eigval"], f["lower_bound"])
+    dq, dk, dv, dg, db, dA_log, ddt_bias, dh0 = out
+    has_a, has_d, has_h = ctx.needs
+    gate = f["use_gate_in_kernel"]
+    return (dq, dk, dv, dg, db, dA_log if gate and has_a else None, ddt_bias if gate and has_d else None,
+            dh0 if has_h else None, *([None] * len(_FLAG_NAMES)))
+
+
+chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def apply(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags) -> tuple[Tensor, Tensor | None]:
+    """The chain's fwd (+ registered bwd) through the custom ops: (o, ht or None)."""
+    out = torch.ops.kda.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, f.scale,
+                                      f.output_final_state, f.use_qk_l2norm_in_kernel, f.use_gate_in_kernel,
+                                      f.use_beta_sigmoid_in_kernel, f.allow_neg_eigval, f.lower_bound)
+    return out[0], (out[1] if f.output_final_state else None)
