@@ -3,7 +3,7 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tests fp16 bench ncu save savecache
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tvmffi train soak tests fp16 bench ncu save savecache
 #                                     (default: all but fp16, ncu, savecache)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
@@ -52,6 +52,12 @@ for s in $steps; do
       for st in ${SCAN_STAGES:-b1 fwd dhu}; do step "check_scans_$st" ${SCAN_LIMIT:-150} python bench/check_scans.py --stage $st; done ;;
     launch)  # host vs device time per launch and per chain step (the small-shape slowdown)
       step check_launch 120 python bench/check_launch.py ;;
+    tvmffi)  # one CuTe launch's host cost: the call cache against the DSL's TVM-FFI path
+      step check_tvm_ffi 150 python bench/check_tvm_ffi.py ;;
+    train)  # the 2-layer KDA LM's train step, ours vs fla (eager; TRAIN_ARGS=--compile for compiled)
+      step train_step ${TRAIN_LIMIT:-200} python bench/train_step.py ${TRAIN_ARGS:-} ;;
+    soak)  # SOAK_CALLS fwd+bwd with changing shapes: memory flat, results repeatable (soak.png)
+      step soak ${SOAK_LIMIT:-300} python bench/soak.py --calls ${SOAK_CALLS:-1000} --out "$OUT" ;;
     tests)  # pytest-timeout (on the GPU image) dumps every thread's stack if a test hangs. The
             # fp16 chain test is its own step: fla autotunes fp16 from scratch (minutes, not seeded)
       step gpu_tests ${TESTS_LIMIT:-300} python -m pytest -p no:cacheprovider -p kda_witness.pytest_plugin -v --durations=15 --timeout=${TEST_TIMEOUT:-150} tests/gpu -k "${TESTS_K:-not gva_fp16}" ;;

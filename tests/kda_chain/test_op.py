@@ -74,41 +74,19 @@ def test_opcheck(case):
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
-class TwoLayer(torch.nn.Module):
-    """Two KDA layers with projections, the shape of a real model's call."""
-
-    def __init__(self, d=32, H=2, K=16, V=16):
-        super().__init__()
-        self.H, self.K, self.V = H, K, V
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, H * (3 * K + V + 1)) for _ in range(2))
-        self.out = torch.nn.ModuleList(torch.nn.Linear(H * V, d) for _ in range(2))
-        self.A_log = torch.nn.Parameter(torch.zeros(H))
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        H, K, V = self.H, self.K, self.V
-        for proj, out in zip(self.layers, self.out, strict=True):
-            p = proj(x)
-            q, k, g = (p[..., i * H * K:(i + 1) * H * K].view(B, T, H, K) for i in range(3))
-            v = p[..., 3 * H * K:3 * H * K + H * V].view(B, T, H, V)
-            beta = p[..., -H:].view(B, T, H)
-            o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                             use_beta_sigmoid_in_kernel=True, A_log=self.A_log)
-            x = x + out(o.reshape(B, T, H * V))
-        return x
-
-
 def test_torch_compile_fullgraph_matches_eager():
+    from kda_chain.model import TinyKDALM
+
     torch.manual_seed(0)
-    model = TwoLayer()
-    x = torch.randn(2, 64, 32)
-    ref = model(x)
-    ref.square().mean().backward()
+    model = TinyKDALM(vocab=64, d=32, layers=2, H=2, HV=4, K=16, V=16, op=chunk_kda)
+    tokens = torch.randint(0, 64, (2, 65))
+    ref = model.loss(tokens)
+    ref.backward()
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    got = compiled(x)
-    got.square().mean().backward()
+    compiled = torch.compile(model.loss, fullgraph=True, backend="aot_eager")
+    got = compiled(tokens)
+    got.backward()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     for p, w in zip(model.parameters(), want, strict=True):
         torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-6)

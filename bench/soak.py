@@ -1,0 +1,179 @@
+"""Soak: many fwd+bwd calls of chunk_kda with fresh tensors whose shape changes every call (GPU).
+
+Per call: B in {1, 2}, T drawn from 64..8192 (ragged included), (H, HV) in {(16, 16), (8, 16)},
+K = V = 128, bf16, gate + l2norm + beta sigmoid in the op, h0 and ht. Checks, and prints every
+--every calls (a progress line with the figures):
+
+  - every output and gradient finite;
+  - a (B, T, heads) seen before, with the same seed, gives the result of its first call
+    (compared by fp64 fingerprints: plain and position-weighted sums of every tensor);
+  - GPU memory allocated / reserved and host RSS flat once every shape was met once (the first
+    round), the call caches' compiled-kernel counts no higher than the distinct kernel configs,
+    the view-level entries and the dispatch log bounded.
+
+Writes soak.json (the curves) and soak.png (memory and RSS against the call) under --out.
+
+    python bench/soak.py [--calls 1000] [--every 100] [--out /tmp/soak]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from kda_chain import chunk_kda, dispatch_log
+
+
+def _caches():
+    import kda_cute.b1 as b1
+    import kda_cute.dhu as dhu
+    import kda_cute.fwd as fwd
+    import kda_cute.intra as intra
+
+    return {m.__name__.rsplit(".", 1)[1]: m._cache for m in (fwd, b1, dhu, intra)}
+
+
+def inputs(B, T, H, HV, seed, K=128, V=128):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*s, dt=torch.bfloat16, scale=1.0):
+        return (torch.randn(s, generator=g, device="cuda") * scale).to(dt).requires_grad_(True)
+
+    return dict(
+        q=r(B, T, H, K),
+        k=r(B, T, H, K),
+        v=r(B, T, HV, V),
+        g=r(B, T, HV, K),
+        beta=r(B, T, HV),
+        A_log=torch.log(torch.linspace(1.0, 16.0, HV, device="cuda")).requires_grad_(True),
+        dt_bias=r(HV * K, dt=torch.float32, scale=0.1),
+        h0=r(B, HV, K, V, dt=torch.float32, scale=0.1),
+    )
+
+
+def step(x):
+    leaves = list(x.values())
+    o, ht = chunk_kda(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        initial_state=x["h0"],
+        output_final_state=True,
+    )
+    grads = torch.autograd.grad([o, ht], leaves, [torch.ones_like(o), torch.ones_like(ht)])
+    return [o.detach(), ht.detach(), *grads]
+
+
+def fingerprint(ts) -> list[tuple[float, float]]:
+    """Per tensor: the fp64 sum and the sum weighted by position (a torch reduction over the same
+    shape is deterministic: equal fingerprints for equal tensors; a changed element shows)."""
+    out = []
+    for t in ts:
+        f = t.double().flatten()
+        w = torch.arange(1, f.numel() + 1, device=f.device, dtype=torch.float64).remainder_(1021)
+        out.append((f.sum().item(), (f * w).sum().item()))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--every", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="/tmp/soak")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rnd = random.Random(a.seed)
+    Ts = [64, 65, 127, 500, 1000, 2048, 3000, 4096, 8192]
+    shapes = [(rnd.choice([1, 2]), rnd.choice(Ts), rnd.choice([(16, 16), (8, 16)])) for _ in range(a.calls)]
+    distinct = len(set(shapes))
+    first_round = max(i for i, s in enumerate(shapes) if s not in shapes[:i]) + 1
+    print(
+        f"soak: {a.calls} calls, {distinct} distinct shapes, all met once by call {first_round}", flush=True
+    )
+    seen: dict = {}
+    curve = {"alloc_mb": [], "reserved_mb": [], "rss_mb": [], "ms": []}
+    bad = []
+    t_start = time.perf_counter()
+    for i, (B, T, (H, HV)) in enumerate(shapes):
+        t0 = time.perf_counter()
+        x = inputs(B, T, H, HV, seed=hash((B, T, H, HV)) % 2**31)
+        res = step(x)
+        if not all(torch.isfinite(t).all() for t in res):
+            bad.append(f"call {i}: non-finite output at B{B} T{T} H{H} HV{HV}")
+        key = (B, T, H, HV)
+        fp = fingerprint(res)
+        if key not in seen:
+            seen[key] = fp
+        elif fp != seen[key]:
+            bad.append(f"call {i}: B{B} T{T} H{H} HV{HV} differs from its first call")
+        del x, res
+        gc.collect()
+        torch.cuda.synchronize()
+        curve["ms"].append((time.perf_counter() - t0) * 1e3)
+        curve["alloc_mb"].append(torch.cuda.memory_allocated() / 2**20)
+        curve["reserved_mb"].append(torch.cuda.memory_reserved() / 2**20)
+        curve["rss_mb"].append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        if (i + 1) % a.every == 0 or i + 1 == a.calls:
+            c = {n: (cc.compiles, len(cc.entries)) for n, cc in _caches().items()}
+            print(
+                f"[{time.perf_counter() - t_start:7.1f}s] call {i + 1}: alloc {curve['alloc_mb'][-1]:.1f} MB "
+                f"reserved {curve['reserved_mb'][-1]:.0f} MB rss {curve['rss_mb'][-1]:.0f} MB; "
+                f"(compiles, views) {c}; dispatch log {len(dispatch_log())}; problems {len(bad)}",
+                flush=True,
+            )
+    after = slice(first_round, None)
+    growth = (
+        {n: max(v[after]) - max(v[:first_round]) for n, v in curve.items() if n != "ms"}
+        if first_round < a.calls
+        else {}
+    )
+    print(f"growth after the first round (max after - max before, MB): {growth}", flush=True)
+    if growth.get("alloc_mb", 0) > 1 or growth.get("reserved_mb", 0) > 64 or growth.get("rss_mb", 0) > 256:
+        bad.append(f"memory grew after every shape was met: {growth}")
+    if len(dispatch_log()) > dispatch_log().maxlen:
+        bad.append("dispatch log unbounded")
+    (out / "soak.json").write_text(
+        json.dumps({"shapes": shapes, "curve": curve, "growth": growth, "problems": bad})
+    )
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        for n in ("alloc_mb", "reserved_mb", "rss_mb"):
+            ax.plot(curve[n], label=n)
+        ax.axvline(first_round, color="gray", ls=":", label="every shape met")
+        ax.set_xlabel("call")
+        ax.set_ylabel("MB")
+        ax.set_title(f"chunk_kda soak: {a.calls} fwd+bwd, {distinct} shapes (H200)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "soak.png", dpi=110)
+    except ImportError:
+        print("matplotlib not importable: no soak.png", flush=True)
+    for b in bad[:20]:
+        print("PROBLEM", b, flush=True)
+    print("soak: OK" if not bad else f"soak: FAIL ({len(bad)} problems)", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
