@@ -15,7 +15,7 @@
 #   source .dev-b/setup.sh || exit $?; bash bench/gpu_suite.sh          (carry .dev-b and .devcache)
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD/packages/kda-cute:$PWD/chain:$PWD/witness:$PWD/bench:${PYTHONPATH:-}
+export PYTHONPATH=$PWD/packages/kda-cute:$PWD/chain:$PWD/witness:$PWD/tools/ptxsim:$PWD/bench:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kda-suite}
 mkdir -p "$OUT"

@@ -24,7 +24,7 @@ import importlib
 import logging
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -78,6 +78,13 @@ LOG_SIZE = 4096
 _lock = threading.Lock()
 _log: deque[Choice] = deque(maxlen=LOG_SIZE)
 _capture: list[tuple[str, tuple, dict]] | None = None
+
+
+def clear_gate_cache() -> None:
+    """Forget every stage's cached gate decisions (after changing what a gate reads, e.g. a
+    kernel module's measured floor in a test)."""
+    for st in STAGES.values():
+        st.decided.clear()
 
 
 def dispatch_log() -> deque[Choice]:
@@ -182,12 +189,44 @@ def cute_planned(stage: str, *args, **kwargs) -> bool:
     return mod is not None and mod.plan_reason(*args, **kwargs) is None
 
 
+def _signature(args, kwargs) -> tuple:
+    """What a gate's answer depends on: per tensor its shape, strides, dtype, device and data
+    pointer alignment; every other argument by value; the KDA_FORCE_FLA switch."""
+
+    def sig(a):
+        if isinstance(a, torch.Tensor):
+            return (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16)
+        return a
+
+    return (tuple(sig(a) for a in args), tuple((k, sig(v)) for k, v in kwargs.items()),
+            os.environ.get(FORCE_ENV, ""))
+
+
+GATE_CACHE_SIZE = 1024  # decisions kept per stage (a training loop meets a handful of signatures)
+
+
 @dataclass
 class Stage:
+    """One stage: its implementations in order. `choose` asks their gates once per call signature
+    (`_signature`) and keeps the answer (a training loop pays the gates once per shape: 10-50 us
+    each on the device machine's CPU, a dozen stages per step); `clear_gate_cache()` forgets."""
+
     name: str
     impls: list[Impl] = field(default_factory=list)
+    decided: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     def choose(self, *args, **kwargs) -> tuple[Impl, str | None]:
+        key = (tuple(map(id, self.impls)), _signature(args, kwargs))
+        hit = self.decided.get(key)
+        if hit is not None:
+            return hit
+        hit = self._ask(*args, **kwargs)
+        self.decided[key] = hit
+        while len(self.decided) > GATE_CACHE_SIZE:
+            self.decided.popitem(last=False)
+        return hit
+
+    def _ask(self, *args, **kwargs) -> tuple[Impl, str | None]:
         reasons = []
         for impl in self.impls:
             r = impl.gate(*args, **kwargs)

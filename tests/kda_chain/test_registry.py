@@ -58,3 +58,24 @@ def test_registered_kernel_names_must_be_distinguishable():
     with pytest.raises(ValueError, match="substring"):
         kda_witness.register_kernels({"kda_cute_b1": "b1", "kda_cute_b1x": "b1x"})
     assert kda_witness.expected_kernels() == registry.kernel_stages()  # unchanged by the refusal
+
+
+def test_gate_decisions_are_cached_per_call_signature(monkeypatch):
+    """A stage asks its gates once per signature (shapes, strides, dtypes, device, alignment,
+    scalars, KDA_FORCE_FLA): the second call with equal signatures asks nothing; a new shape,
+    a strided view or the switch asks again."""
+    from kda_chain import stages as S
+
+    asked = []
+    st = S.Stage("probe", [S.Impl("cute", lambda *a, **k: asked.append(a[0].shape) or "no", lambda *a: "c"),
+                           S.Impl("reference", S._always, lambda *a: "r")])
+    x = torch.zeros(4, 8)
+    assert st(x, 1.0) == "r" and st(torch.ones(4, 8), 1.0) == "r"
+    assert len(asked) == 1
+    st(torch.zeros(4, 9), 1.0)
+    st(torch.zeros(8, 4).t(), 1.0)  # same shape, other strides
+    st(x, 2.0)
+    assert len(asked) == 4
+    monkeypatch.setenv("KDA_FORCE_FLA", "probe")
+    st(x, 1.0)
+    assert len(asked) == 5
