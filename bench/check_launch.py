@@ -48,9 +48,14 @@ def host_us(fn, n: int) -> float:
 
 
 def compiled_us(cache, call, n: int) -> float:
-    """The compiled CuTe function alone on the views its last call cached. `call` runs first and its
-    outputs are kept alive, so the cached pointers still point at live tensors while we relaunch."""
-    from kda_cute._common.cache import current_stream
+    """The compiled CuTe function alone on the views its last call cached (the DLPack launch path;
+    NaN on the TVM-FFI path, which caches no views: bench/check_tvm_ffi.py times its call). `call`
+    runs first and its outputs are kept alive, so the cached pointers still point at live tensors
+    while we relaunch."""
+    from kda_cute._common.cache import current_stream, launch_path
+
+    if launch_path() != "dlpack":
+        return float("nan")
 
     keep = call()  # noqa: F841 - holds the outputs the cached views point at
     torch.cuda.synchronize()
@@ -76,6 +81,9 @@ def kernels(B, T, H, V, n):
         ("b1", lambda: cs.ours_b1(d), b1._cache, "fla fwd_h", lambda: cs.fla_b1(d)),
         ("dhu", lambda: cs.ours_dhu(d), dhu._cache, "fla bwd_dhu", lambda: cs.fla_dhu(d)),
     ]
+    from kda_cute._common.cache import launch_path
+
+    print(f"launch path: {launch_path()}")
     print(f"| B{B} T{T} H{H} V{V} | device ms | host us/call | compiled call us |")
     print("|---|---|---|---|")
     for name, ours, cache, fname, fla in rows:

@@ -134,3 +134,22 @@ def test_short_soak_is_flat_and_deterministic():
     kept = sum(sum(t.numel() * t.element_size() for t in v) for v in first.values())
     assert max(mem[50:]) <= max(mem[:50]) + (1 << 20), (max(mem[:50]), max(mem[50:]), kept)
     assert len(dispatch_log()) <= dispatch_log().maxlen
+
+
+def test_launch_pins_no_input():
+    """The call cache's launch path (TVM-FFI on the device kit, else DLPack descriptors) keeps no
+    reference to a call's tensors: the first call's inputs are freed when the caller drops them."""
+    import weakref
+
+    import kda_cute.b1 as b1
+    from kda_cute._common.cache import launch_path
+
+    B, T, HV, K, V = 1, 256, 16, 128, 128
+    kg, w = (torch.randn(B, T, HV, K, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(2))
+    u = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
+    gk = -torch.rand(B, T, HV, K, device="cuda")
+    refs = [weakref.ref(t) for t in (kg, w, u, gk)]
+    outs = b1.fwd_h(kg, w, u, gk)
+    del kg, w, u, gk, outs
+    gc.collect()
+    assert all(r() is None for r in refs), f"a tensor of the first call is still alive ({launch_path()} path)"

@@ -70,7 +70,7 @@ def test_call_cache_compiles_once_marshals_per_shape_and_pins_nothing(cpu_stream
     cc = cache.CallCache("test")
     built = []
 
-    def build(views, stream):
+    def build(views, stream, options):
         built.append(len(views))
         return _FakeCompiled()
 
@@ -106,7 +106,7 @@ def test_view_entries_are_bounded_least_recently_used_first(cpu_stream):
 
     def call(T):
         a = torch.randn(1, T, 4, 32)
-        cc.launch(("k", 32), (a,), ((0, 1),), lambda views, stream: _FakeCompiled())
+        cc.launch(("k", 32), (a,), ((0, 1),), lambda views, stream, options: _FakeCompiled())
 
     for T in (64, 128, 192):
         call(T)
@@ -135,5 +135,5 @@ def test_one_compiled_kernel_per_device(cpu_stream, monkeypatch):
 
     launched = []
     for index in (0, 0, 1):
-        cc.launch(("k",), (fake(index),), ((0,),), lambda views, stream: lambda *a: launched.append(1))
+        cc.launch(("k",), (fake(index),), ((0,),), lambda v, s, o: lambda *a: launched.append(1))
     assert cc.compiles == 2 and {k[1] for k in cc.compiled} == {0, 1} and len(launched) == 3

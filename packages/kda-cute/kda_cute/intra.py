@@ -638,17 +638,18 @@ def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_
     outs = _outputs(q, gk, beta, emit_bf16, device=q.device)
     args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, *outs)
     views = [cute_view(t, (0, 1)) for t in args]
-    return _build(views, cuda.CUstream(0), _config(q, gk, beta, fold_dg, emit_bf16, pf), keep_ptx)
+    return _build(views, cuda.CUstream(0), _config(q, gk, beta, fold_dg, emit_bf16, pf),
+                  "--keep-ptx" if keep_ptx else "")
 
 
-def _build(views, stream, cfg: IntraConfig, keep_ptx=False):
+def _build(views, stream, cfg: IntraConfig, options: str = ""):
     import cutlass.cute as cute
 
     kern = _kernel_class()(
         _cutlass_dtype(cfg.io_dtype), _cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.HV // cfg.H, cfg.fold_dg,
         cfg.emit_bf16, cfg.pf
     )
-    opts = f"--ptxas-options --maxrregcount={MAXREG}" + (" --keep-ptx" if keep_ptx else "")
+    opts = f"--ptxas-options --maxrregcount={MAXREG} {options}".strip()
     return cute.compile(kern, *views, stream, options=opts)
 
 
@@ -681,5 +682,6 @@ def launch(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=
     outs = _outputs(q, gk, beta, emit_bf16, q.device)
     args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, *outs)
     cfg = _config(q, gk, beta, fold_dg, emit_bf16, pf)
-    _cache.launch(cfg, args, ((0, 1),) * len(args), lambda views, stream: _build(views, stream, cfg))
+    _cache.launch(cfg, args, ((0, 1),) * len(args),
+                  lambda views, stream, opts: _build(views, stream, cfg, opts))
     return outs

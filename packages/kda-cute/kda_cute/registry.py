@@ -2,13 +2,14 @@
 
 A record says what a stage is to the rest of the project, without importing the CuTe DSL:
 
-    name        the chain's stage name; the kernel module is `kda_cute.<name>`
+    name        the chain's stage name; the kernel module is `kda_cute.<module or name>`
     contract    the contract function (same name and arguments in `kda_cute.reference` and in the
                 module; ARCHITECTURE.md lists them)
     kernels     the kernel names a CUDA trace shows (as substrings of the DSL-decorated names)
     probe       `probe(dims) -> args`: the positional arguments a chain call passes at these
                 extents, as meta tensors (for `kda_chain.is_supported`: no memory)
     flags       keyword flags the chain passes to the CuTe kernel only (fla's function lacks them)
+    module      the kernel module's name when it is not the stage's (default: the stage's)
 
 Derived from `STAGES`: the chain's stage table (`kda_chain.stages`: CuTe kernel, then fla, then
 the reference), `kda_chain.is_supported`, the witness's expected kernels (registered by the
@@ -62,10 +63,11 @@ class CuteStage:
     kernels: tuple[str, ...]
     probe: Callable[[Dims], tuple]
     flags: tuple[str, ...] = ()
+    module: str = ""
 
     @property
     def module_name(self) -> str:
-        return f"kda_cute.{self.name}"
+        return f"kda_cute.{self.module or self.name}"
 
     def load(self) -> ModuleType | None:
         """The kernel module, or None if it is not written yet (any other import error raises)."""

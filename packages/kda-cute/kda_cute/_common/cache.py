@@ -1,23 +1,27 @@
-"""The call cache every CuTe stage goes through: marshal once, retarget per call, pin nothing.
+"""The call cache every CuTe stage goes through: compile once per config, launch cheaply, pin nothing.
 
-A CuTe kernel is launched through a compiled object that takes `cute.Tensor` descriptors.
-Building those descriptors from torch tensors (DLPack export, layout checks) costs tens of
-microseconds per tensor, which at a chain of four kernels is measurable against a 1 ms stage.
-So a stage call goes through two levels:
+Two launch paths, the fastest available chosen per process (`LAUNCH_PATH`):
 
-  compile level   keyed on what the compiled code depends on: dtypes, static extents (K, V,
-                  heads), stride order, kernel-selecting flags, the arch. The batch and time
-                  modes of every view are marked dynamic, so one compile serves every B and T.
-  view level      keyed on the full shapes and strides and the current stream. It holds the
-                  descriptors made on the first such call. Later calls rewrite only the data
-                  pointer of each descriptor (`retarget`: one 64-bit store) and launch.
-                  At most MAX_VIEW_ENTRIES per stage, least recently used dropped first.
+  tvm-ffi   (apache-tvm-ffi importable: the device kit has it) the kernel is compiled with the
+            DSL's `--enable-tvm-ffi` and called with the torch tensors themselves; the stream is
+            torch's current stream of the call (the DSL's environment stream, read through
+            DLPack's exchange API). Host cost of one b1 launch at B2 T4096 on the H200
+            (2026-12-01, bench/check_tvm_ffi.py): 6.0 us for the call, 19.5 us with the
+            planning and fresh outputs, against 54 us on the path below; outputs bitwise equal.
+  dlpack    (otherwise: CI, CPU) `cute.Tensor` descriptors from `from_dlpack`, built once per
+            full signature (shapes, strides, stream) and kept; later calls rewrite only each
+            descriptor's data pointer (`retarget`: one 64-bit store) and launch.
+            At most MAX_VIEW_ENTRIES per stage, least recently used dropped first.
 
-The view level would pin memory if left alone: `from_dlpack` keeps a reference to the exporting
-tensor for the life of the descriptor, so a cached descriptor would keep the FIRST call's
-tensors alive forever (gigabytes at training shapes, and a caching allocator pushed into
-synchronizing retries). `release_keepalives` drops those references right after the entry is
-built; the descriptor needs only its own C memref, whose pointer `retarget` rewrites anyway.
+Both key the compiled kernel on what the compiled code depends on (the stage's frozen config:
+dtypes, static extents, flags, the arch) and the device; the batch and time modes of every view
+are marked dynamic, so one compile serves every B and T.
+
+Nothing may pin memory: `from_dlpack` keeps a reference to the exporting tensor for the life of
+the descriptor, so a cached descriptor would keep the FIRST call's tensors alive forever
+(gigabytes at training shapes). `release_keepalives` drops those references once an entry is
+built (the tvm-ffi path keeps no descriptor after its compile, and the compiled function holds
+none: tests/gpu/test_host_path.py checks the first call's tensors are freed there).
 `tests/kda_cute/test_cache.py` checks that a tensor handed to a cached call is freed when the
 caller drops it.
 
@@ -37,6 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 
@@ -48,7 +53,17 @@ MAX_VIEW_ENTRIES = 256
 log = logging.getLogger("kda_cute")
 
 
-def cute_view(t: torch.Tensor, dyn_modes: Sequence[int] = ()):
+@cache
+def launch_path() -> str:
+    """"tvm-ffi" when apache-tvm-ffi is importable, else "dlpack" (see the module docstring)."""
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return "dlpack"
+    return "tvm-ffi"
+
+
+def cute_view(t: torch.Tensor, dyn_modes: Sequence[int] = (), tvm_ffi: bool = False):
     """`t` as a cute.Tensor (same mode order as torch) with `dyn_modes` marked dynamic.
 
     detach(): inside an autograd.Function the saved tensors still carry requires_grad and
@@ -64,7 +79,7 @@ def cute_view(t: torch.Tensor, dyn_modes: Sequence[int] = ()):
     # torch's dim_order convention (outermost mode first), computed here because
     # Tensor.dim_order() places size-1 modes by heuristics the DSL then rejects.
     dim_order = tuple(sorted(range(t.dim()), key=lambda i: (-t.stride(i), i)))
-    ct = from_dlpack(t, assumed_align=ALIGN)
+    ct = from_dlpack(t, assumed_align=ALIGN, enable_tvm_ffi=tvm_ffi)
     for m in dyn_modes:
         ct = ct.mark_compact_shape_dynamic(mode=m, stride_order=dim_order)
     return ct
@@ -132,7 +147,8 @@ class CallCache:
     `launch(compile_key, args, dyn_modes, build)`:
       - `args`: the tensors in the kernel's argument order (inputs and fresh outputs);
       - `dyn_modes`: per tensor, the modes to mark dynamic;
-      - `build(views, stream) -> compiled`: traces and compiles; called once per compile_key.
+      - `build(views, stream, options) -> compiled`: traces and compiles (`options`: the DSL
+        options the launch path needs, to pass on to `cute.compile`); called once per key.
     Scalars that vary per call must not exist: make them tensors or part of compile_key.
     """
 
@@ -142,28 +158,45 @@ class CallCache:
     max_entries: int = MAX_VIEW_ENTRIES
     lock: threading.Lock = field(default_factory=threading.Lock)
     compiles: int = 0  # observable for tests: how many times `build` ran
-    marshals: int = 0  # how many view-level entries were built
+    marshals: int = 0  # how many view-level entries were built (dlpack path)
 
-    def launch(
-        self,
-        compile_key: tuple,
-        args: Sequence[torch.Tensor],
-        dyn_modes: Sequence[Sequence[int]],
-        build: Callable,
-        extra: tuple = (),
-    ) -> None:
+    def launch(self, compile_key, args: Sequence[torch.Tensor], dyn_modes: Sequence[Sequence[int]],
+               build: Callable) -> None:
         dev = args[0].device
         if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
             # a compiled kernel is loaded into, and launched from, the current device's context:
             # make that the tensors' device (torch's own ops do the same per call)
             with torch.cuda.device(dev):
-                return self._launch(compile_key, args, dyn_modes, build, extra)
-        return self._launch(compile_key, args, dyn_modes, build, extra)
+                return self._launch(compile_key, args, dyn_modes, build)
+        return self._launch(compile_key, args, dyn_modes, build)
 
-    def _launch(self, compile_key, args, dyn_modes, build, extra) -> None:
+    def _compile(self, ckey, views, stream, build, options: str):
+        # seconds per build on a first call: say so, it is not a hang
+        log.info("kda_cute: compiling %s for %s", self.name, ckey)
+        t0 = time.perf_counter()
+        self.compiled[ckey] = build(views, stream, options)
+        log.info("kda_cute: compiled %s in %.1f s", self.name, time.perf_counter() - t0)
+        self.compiles += 1
+
+    def _launch(self, compile_key, args, dyn_modes, build) -> None:
         dev = args[0].device
-        handle, stream = current_stream(dev)
         ckey = (compile_key, dev.index)  # one compiled (loaded) kernel per device
+        if launch_path() == "tvm-ffi":
+            fn = self.compiled.get(ckey)
+            if fn is None:
+                from cutlass.cute.runtime import make_fake_stream
+
+                with self.lock:
+                    if ckey not in self.compiled:
+                        views = tuple(cute_view(t, d, tvm_ffi=True)
+                                      for t, d in zip(args, dyn_modes, strict=True))
+                        self._compile(ckey, views, make_fake_stream(use_tvm_ffi_env_stream=True), build,
+                                      "--enable-tvm-ffi")
+                        del views  # the compiled function takes tensors: no descriptor outlives this
+                fn = self.compiled[ckey]
+            fn(*args)  # the stream: torch's current stream, read by TVM-FFI at the call
+            return
+        handle, stream = current_stream(dev)
         view_key = (ckey, handle, tuple(tensor_sig(t) for t in args))
         entry = self.entries.get(view_key)
         if entry is not None:
@@ -174,12 +207,7 @@ class CallCache:
                 if entry is None:
                     views = tuple(cute_view(t, d) for t, d in zip(args, dyn_modes, strict=True))
                     if ckey not in self.compiled:
-                        # seconds per build on a first call: say so, it is not a hang
-                        log.info("kda_cute: compiling %s for %s", self.name, ckey)
-                        t0 = time.perf_counter()
-                        self.compiled[ckey] = build(views, stream, *extra)
-                        log.info("kda_cute: compiled %s in %.1f s", self.name, time.perf_counter() - t0)
-                        self.compiles += 1
+                        self._compile(ckey, views, stream, build, "")
                     release_keepalives(*views)
                     entry = (views, tuple(pointer_cell(ct) for ct in views))
                     self.entries[view_key] = entry
@@ -189,7 +217,7 @@ class CallCache:
         views, cells = entry
         for cell, t in zip(cells, args, strict=True):
             retarget(cell, t)
-        self.compiled[ckey](*views, stream, *extra)
+        self.compiled[ckey](*views, stream)
 
     def clear(self) -> None:
         with self.lock:
