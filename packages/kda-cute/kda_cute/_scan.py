@@ -167,15 +167,62 @@ def tile_bytes(dtype, layout_staged) -> int:
     return cute.size_in_bytes(dtype, one_stage(layout_staged))
 
 
+def storage(dtype, stages: int, tiles: dict, gd_rows=None):
+    """A scan's smem struct: one `mbar` (full) per stage, `sG` (Cta's exp2(gd) row), then each
+    `tiles` buffer (field name -> staged smem layout, in smem order, 1024-aligned for the 128B
+    swizzle). With `gd_rows` (the register-A scans' fp32 gk rows, one per stage, by TMA) also an
+    `empty` barrier per stage (see `release`) and those rows as `sGd`."""
+    ring = cute.struct.MemRange[cutlass.Int64, stages]
+    fields = {"mbar": ring} if gd_rows is None else {"mbar": ring, "empty": ring}
+    fields["sG"] = cute.struct.MemRange[cutlass.Float32, KD]
+    if gd_rows is not None:
+        fields["sGd"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(gd_rows)], 128]
+    for name, lay in tiles.items():
+        fields[name] = cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(lay)], 1024]
+    return cute.struct(type("Storage", (), {"__annotations__": fields}))
+
+
+def compile_fn(build, kernel):
+    """The @cute.jit entry that `cute.compile` traces for a scan build, called with the stage's
+    [B, ...] tensors and the stream. It lays out smem (`build._layouts()` sets the tile layouts,
+    `tiles`: the smem buffers in order, and `l_g` in the register-A scans) and its `storage`;
+    `kernel(build)`, the stage's kernel factory, gives (operands, kernel): `operands(*tensors)`
+    -> (TMA operands, the kernel's other arguments). The kernel runs over the scan grid
+    (V / (64 nwg), HV, B), `nwg` warpgroups a CTA; its first parameter takes the TMA operands,
+    (atom, TMA tensor) pairs in its order, as one flat tuple that `pairs` splits again. Flat, the
+    kernel's parameters, symbol and PTX are those of one parameter per atom / tensor; a tuple of
+    pairs would rename the kernel (its symbol is built from each argument's str, and a pair's
+    str holds its members' reprs)."""
+
+    @cute.jit
+    def run(*tensors_stream):
+        tensors = tensors_stream[:-1]
+        build._layouts()
+        build.storage = storage(build.dtype, build.stages, build.tiles, getattr(build, "l_g", None))
+        operands, kern = kernel(build)
+        tmas, args = operands(*tensors)
+        flat = tuple(x for op in tmas for x in op)
+        kern(flat, *args).launch(
+            grid=(build.V // (BV * build.nwg), build.HV, cute.size(tensors[0], mode=[0])),
+            block=[THREADS * build.nwg, 1, 1],
+            stream=tensors_stream[-1],
+        )
+
+    return run
+
+
 # --------------------------------------------------------------------------------------- device
 class Cta:
     """The coordinates and shared memory every scan kernel starts from (one place, so the three
     kernels cannot drift): thread `tid`, its warpgroup `wg` (= its 64-wide V tile within the
     CTA) and rank `wtid` in it, the block's (bv, hv, b), the V tile `vt`, the k / q heads `hk`,
-    `hq` of GVA, T and the chunk count NT, the smem struct `st`, the mbarrier ring `mbar` and the
-    exp2(gd) row `sG`. Built while tracing a kernel: `mG` is any (X, T, heads, B) view."""
+    `hq` of GVA, T and the chunk count NT, the smem struct `st`, the mbarrier ring `mbar`, the
+    exp2(gd) row `sG` and the `tiles` (`cfg.tiles`' buffers as swizzled tensors, in order); in
+    the register-A scans (`cfg.l_g`) also the `empty` barriers and gk's rows `sGd`. Built while
+    tracing a kernel (it lays out `cfg` first): `mG` is any (X, T, heads, B) view."""
 
     def __init__(self, cfg, mG):
+        cfg._layouts()
         self.tid, _, _ = cute.arch.thread_idx()
         self.wg = self.tid // THREADS
         self.wtid = self.tid % THREADS
@@ -189,6 +236,82 @@ class Cta:
         self.st = cutlass.memory.SmemAllocator().allocate(cfg.storage)
         self.mbar = self.st.mbar.data_ptr()
         self.sG = self.st.sG.get_tensor(cute.make_layout(KD))
+        ring = getattr(cfg, "l_g", None) is not None  # the register-A scans' (`storage`'s gd_rows)
+        if ring:
+            self.empty = self.st.empty.data_ptr()
+        self.tiles = [smem_tensor(getattr(self.st, n), lay) for n, lay in cfg.tiles.items()]
+        if ring:
+            self.sGd = self.st.sGd.get_tensor(cfg.l_g)
+
+
+class StateT:
+    """The register-A scans' (b1, fwd) state of one warpgroup: h^T (v, k) fp32 in `acc`, the
+    accumulator of `mma_s` (M = 64 v, N = 128 k, over the chunk's tokens; `cS` its coordinates),
+    and `mma_p` (M = 64 v, N = 64, over k) for the token GEMMs reading bf16(h^T) from registers
+    (`acc_as_a`); `thr_p` / `thr_s` their slices for the thread. Built while tracing a kernel, in
+    the order its steps are called: MMAs, B fragments (`b_p`, `b_s`), `accumulators`, `start`
+    (the PTX follows that order)."""
+
+    def __init__(self, cfg, cta):
+        self.cfg = cfg
+        self.mma_p = make_rs_mma(cfg.dtype, True, BT)  # (v, t) over k
+        self.mma_s = make_rs_mma(cfg.dtype, False, KD)  # (v, k) over t
+        self.thr_p = self.mma_p.get_slice(cta.wtid)
+        self.thr_s = self.mma_s.get_slice(cta.wtid)
+
+    def b_p(self, s_tensor):
+        """`mma_p`'s B fragment of an smem tile (`b_s`: `mma_s`'s)."""
+        return self.mma_p.make_fragment_B(self.thr_p.partition_B(s_tensor))
+
+    def b_s(self, s_tensor):
+        return self.mma_s.make_fragment_B(self.thr_s.partition_B(s_tensor))
+
+    def accumulators(self, n_p: int):
+        """h^T's `acc` (and `cS`), and `n_p` fp32 (v, t) accumulators of `mma_p` (returned)."""
+        self.cS = self.thr_s.partition_C(cute.make_identity_tensor((BV, KD)))
+        self.acc = cute.make_rmem_tensor(self.cS.shape, cutlass.Float32)
+        shape_p = self.thr_p.partition_C(cute.make_identity_tensor((BV, BT))).shape
+        return [cute.make_rmem_tensor(shape_p, cutlass.Float32) for _ in range(n_p)]
+
+    def start(self, cta, mH0, mHt):
+        """acc = h0's tile (or 0); ht's tile `tSgHt`, partitioned here before the loop (the
+        gemms set the MMA's ACCUMULATE field inside it)."""
+        tile = (0, cta.vt, cta.hv, cta.b)
+        gH0 = transposed(cute.local_tile(mH0, (KD, BV), tile))
+        self.tSgHt = self.thr_s.partition_C(transposed(cute.local_tile(mHt, (KD, BV), tile)))
+        if self.cfg.has_h0:
+            cute.autovec_copy(self.thr_s.partition_C(gH0), self.acc)
+        else:
+            self.acc.fill(0.0)
+
+
+def begin_chunk(hs: StateT, c, full):
+    """Chunk c's stage s and bf16(h^T) (the A of its token GEMMs), once the stage's loads landed,
+    fenced for the chunk's first wgmma group (a function, not a StateT method: the DSL's loops
+    carry an object whose method they call)."""
+    nst = hs.cfg.stages
+    s = c % nst
+    hb = cast(hs.acc, hs.cfg.dtype)
+    cute.arch.mbarrier_wait(full + s, (c // nst) % 2)
+    warpgroup.fence()
+    return s, hb
+
+
+def cast(frag, dtype):
+    """A register copy of a fragment in `dtype`."""
+    out = cute.make_rmem_tensor_like(frag, dtype)
+    out.store(frag.load().to(dtype))
+    return out
+
+
+@cute.jit
+def finish(acc, dst, wtid):
+    """After the last chunk: the fp32 state to `dst` (a partition like `acc`'s; None: not kept),
+    and the warpgroup's bulk stores waited for."""
+    if cutlass.const_expr(dst is not None):
+        cute.autovec_copy(acc, dst)
+    if wtid == 0:
+        cute.arch.cp_async_bulk_wait_group(0)
 
 
 def smem_tensor(buf, layout_staged):
@@ -209,6 +332,28 @@ def tma_part(atom, s_tensor, g_tiles):
     )
 
 
+def pairs(flat):
+    """The kernel's TMA operands, (atom, TMA tensor) pairs, from the flat tuple of `compile_fn`."""
+    return [flat[i : i + 2] for i in range(0, len(flat), 2)]
+
+
+def tile_part(op, s_tensor, tile, coord):
+    """`tma_part` of a TMA operand `op` = (atom, tensor) over its `tile`-shaped tiles at `coord`."""
+    return tma_part(op[0], s_tensor, cute.local_tile(op[1], tile, coord))
+
+
+def load(op, s_tensor, tile, coord, *slot):
+    """An `issue_chunk` load of operand `op` into `s_tensor`: (atom, gmem, smem, *slot)."""
+    ts, tg = tile_part(op, s_tensor, tile, coord)
+    return (op[0], tg, ts, *slot)
+
+
+def store(op, s_tensor, tile, coord):
+    """A `store_chunk` store of operand `op` from `s_tensor`: (atom, smem, gmem)."""
+    ts, tg = tile_part(op, s_tensor, tile, coord)
+    return (op[0], ts, tg)
+
+
 def gemm(tiled_mma, acc, tA, tB, stage_a, stage_b, accumulate: bool):
     """acc (+)= A @ B over all k-blocks of the fragments; stage_x None for an unstaged operand."""
     nk = cute.size(tA, mode=[2])
@@ -222,9 +367,7 @@ def gemm(tiled_mma, acc, tA, tB, stage_a, stage_b, accumulate: bool):
 
 def frag_to_smem(frag, s_part, dtype):
     """fp32 accumulator fragment -> `dtype` into an smem partition of the same shape."""
-    tmp = cute.make_rmem_tensor_like(frag, dtype)
-    tmp.store(frag.load().to(dtype))
-    cute.autovec_copy(tmp, s_part)
+    cute.autovec_copy(cast(frag, dtype), s_part)
 
 
 def smem_to_frag_f32(s_part, like):
@@ -314,18 +457,26 @@ def refill(full, empty, s, c, nst: cutlass.Constexpr, NT, nbytes: cutlass.Conste
             issue_chunk(full, s, nbytes, loads, c + nst, T)
 
 
-def store_chunk(atom, ts, tg, n):
-    """(one thread) TMA-store an smem tile to chunk n and commit the bulk group."""
-    cute.copy(atom, ts, tg[None, n])
+def store_chunk(st, n, ts=None):
+    """(one thread) TMA-store `st` = (atom, smem, gmem) (a `store`; its smem, or `ts`) to chunk n
+    and commit the bulk group."""
+    atom, s, tg = st
+    cute.copy(atom, s if ts is None else ts, tg[None, n])
     cute.arch.cp_async_bulk_commit_group()
 
 
 @cute.jit
 def prologue(
-    mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads, first, step, NT, tid, T=None
+    mbar, nstages: cutlass.Constexpr, nbytes: cutlass.Constexpr, loads, first, step, NT, tid, T=None,
+    empty=None, consumers: cutlass.Constexpr = 0,
 ):
     """Init one mbarrier per stage and put the first chunks in flight (chunk order first, first+step...);
-    T: the sequence length, for a "row" load (see issue_chunk)."""
+    T: the sequence length, for a "row" load (see issue_chunk). With `empty` (the register-A
+    scans' ring: `release`, `refill`), first its barriers, one per stage, of `consumers` arrivals."""
+    if cutlass.const_expr(empty is not None):
+        if tid == 0:
+            for i in cutlass.range_constexpr(nstages):
+                cute.arch.mbarrier_init(empty + i, consumers)
     if tid == 0:
         for i in cutlass.range_constexpr(nstages):
             cute.arch.mbarrier_init(mbar + i, 1)
@@ -353,13 +504,17 @@ def mask_upper(sA: cute.Tensor, tid, nthreads: cutlass.Constexpr):
             sA[r, col] = sA.element_type(0.0)
 
 
-def run_cached(cache, build, cfg, args, dyn):
+def run_cached(cache, build, kernel, cfg, args, dyn):
     """Launch a scan through its call cache, keyed on its frozen config `cfg`; the first call of a
-    config traces and compiles `build(cfg)` (the kernel module's builder class)."""
-    cache.launch(cfg, args, dyn, lambda views, stream: cute.compile(build(cfg).compile_fn(), *views, stream))
+    config traces and compiles `build(cfg)` (the kernel module's builder class) with `kernel`
+    (its kernel factory; see `compile_fn`)."""
+    def compile_(views, stream, opts):
+        return cute.compile(compile_fn(build(cfg), kernel), *views, stream, options=opts)
+
+    cache.launch(cfg, args, dyn, compile_)
 
 
-def compile_only(build, cfg, args, dyn):
+def compile_only(build, kernel, cfg, args, dyn):
     """Trace + compile a stage for its args without launching (CPU / CI: CUTE_DSL_ARCH=sm_90a);
     the PTX stays on the result (`__ptx__`) for the tests that read it."""
     import cuda.bindings.driver as cuda
@@ -367,4 +522,4 @@ def compile_only(build, cfg, args, dyn):
     from ._common.cache import cute_view
 
     views = [cute_view(t, d) for t, d in zip(args, dyn, strict=True)]
-    return cute.compile(build(cfg).compile_fn(), *views, cuda.CUstream(0), options="--keep-ptx")
+    return cute.compile(compile_fn(build(cfg), kernel), *views, cuda.CUstream(0), options="--keep-ptx")

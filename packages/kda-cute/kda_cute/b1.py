@@ -90,8 +90,7 @@ class B1Config:
 
 
 class _B1(P.Build):
-    def _layouts(self, with_struct=False):
-        import cutlass
+    def _layouts(self):
         import cutlass.cute as cute
 
         dt, st, nwg = self.dtype, self.stages, self.nwg
@@ -107,65 +106,7 @@ class _B1(P.Build):
             + nwg * S.tile_bytes(dt, self.l_u)
             + S.KD * 4
         )
-        if not with_struct:
-            return
-
-        @cute.struct
-        class Storage:
-            mbar: cute.struct.MemRange[cutlass.Int64, st]  # full: the stage's loads landed
-            empty: cute.struct.MemRange[cutlass.Int64, st]
-            sG: cute.struct.MemRange[cutlass.Float32, S.KD]  # (S.Cta's; unused here)
-            sGd: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S.KD * st], 128]
-            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_w)], 1024]
-            sKg: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_kg)], 1024]
-            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_u)], 1024]
-            sH: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_h)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_v)], 1024]
-
-        self.storage = Storage
-
-    def compile_fn(self):
-        import cutlass.cute as cute
-
-        this = self
-
-        @cute.jit
-        def run(kg, w, u, gk, h0, h, v_new, ht, stream):
-            this._layouts(with_struct=True)
-            atom_w, tma_w = S.tma_load(S.row_view(w), this.l_w, (S.BT, S.KD))
-            atom_kg, tma_kg = S.tma_load(S.col_view(kg), this.l_kg, (S.KD, S.BT))
-            atom_u, tma_u = S.tma_load(S.col_view(u), this.l_u, (S.BV, S.BT))
-            atom_g, tma_g = S.tma_load(S.col_view(gk), this.l_g, (S.KD, 1))
-            atom_h, tma_h = S.tma_store(S.state_view(h), this.l_h, (S.BV, S.KD))
-            atom_v, tma_v = S.tma_store(S.col_view(v_new), this.l_v, (S.BV, S.BT))
-            B = cute.size(u, mode=[0])
-            this.kda_cute_b1(
-                atom_w,
-                tma_w,
-                atom_kg,
-                tma_kg,
-                atom_u,
-                tma_u,
-                atom_g,
-                tma_g,
-                atom_h,
-                tma_h,
-                atom_v,
-                tma_v,
-                S.col_view(gk),
-                S.fp32_state_view(h0),
-                S.fp32_state_view(ht),
-            ).launch(
-                grid=(this.V // (S.BV * this.nwg), this.HV, B),
-                block=[S.THREADS * this.nwg, 1, 1],
-                stream=stream,
-            )
-
-        return run
-
-    @property
-    def kda_cute_b1(self):
-        return _b1_kernel(self)
+        self.tiles = dict(sW=self.l_w, sKg=self.l_kg, sU=self.l_u, sH=self.l_h, sV=self.l_v)
 
 
 def _b1_kernel(cfg):
@@ -174,85 +115,53 @@ def _b1_kernel(cfg):
     from cutlass.cute.nvgpu import warpgroup
 
     class K:
+        def operands(self, kg, w, u, gk, h0, h, v_new, ht):
+            # the kernel's arguments: its TMA operands (in its order), then the others
+            tmas = (
+                S.tma_load(S.row_view(w), cfg.l_w, (S.BT, S.KD)),
+                S.tma_load(S.col_view(kg), cfg.l_kg, (S.KD, S.BT)),
+                S.tma_load(S.col_view(u), cfg.l_u, (S.BV, S.BT)),
+                S.tma_load(S.col_view(gk), cfg.l_g, (S.KD, 1)),
+                S.tma_store(S.state_view(h), cfg.l_h, (S.BV, S.KD)),
+                S.tma_store(S.col_view(v_new), cfg.l_v, (S.BV, S.BT)),
+            )
+            return tmas, (S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht))
+
         @cute.kernel
-        def kda_cute_b1(
-            self,
-            atom_w,
-            tma_w,
-            atom_kg,
-            tma_kg,
-            atom_u,
-            tma_u,
-            atom_g,
-            tma_g,
-            atom_h,
-            tma_h,
-            atom_v,
-            tma_v,
-            mGk,
-            mH0,
-            mHt,
-        ):
+        def kda_cute_b1(self, tmas, mGk, mH0, mHt):
+            w, kg, u, g, h, v = S.pairs(tmas)
             nst, nwg = cfg.stages, cfg.nwg
-            cfg._layouts()
             cta = S.Cta(cfg, mGk)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
-            hk, T, NT, st = cta.hk, cta.T, cta.NT, cta.st
-            full = cta.mbar
-            empty = st.empty.data_ptr()
-            sW = S.smem_tensor(st.sW, cfg.l_w)
-            sKg = S.smem_tensor(st.sKg, cfg.l_kg)
-            sU = S.smem_tensor(st.sU, cfg.l_u)
-            sGd = st.sGd.get_tensor(cfg.l_g)
-            sH = S.smem_tensor(st.sH, cfg.l_h)[None, None, wg]
-            sV = S.smem_tensor(st.sV, cfg.l_v)[None, None, wg]
+            hk, T, NT, full, empty = cta.hk, cta.T, cta.NT, cta.mbar, cta.empty
+            sW, sKg, sU, sH, sV = cta.tiles
+            sGd = cta.sGd
+            sH, sV = sH[None, None, wg], sV[None, None, wg]
 
-            tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.BT, S.KD), (None, 0, hv, b)))
-            tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.KD, S.BT), (0, None, hk, b)))
-            tGs, tGg = S.tma_part(atom_g, sGd, cute.local_tile(tma_g, (S.KD, 1), (0, None, hv, b)))
-            loads = [(atom_w, tWg, tWs), (atom_kg, tKg, tKs), (atom_g, tGg, tGs, "row")]
+            loads = [
+                S.load(w, sW, (S.BT, S.KD), (None, 0, hv, b)),
+                S.load(kg, sKg, (S.KD, S.BT), (0, None, hk, b)),
+                S.load(g, sGd, (S.KD, 1), (0, None, hv, b), "row"),
+            ]
             for i in cutlass.range_constexpr(nwg):
-                tUs, tUg = S.tma_part(
-                    atom_u, sU, cute.local_tile(tma_u, (S.BV, S.BT), (bv * nwg + i, None, hv, b))
-                )
-                loads.append((atom_u, tUg, tUs, nwg, i))
-            if tid == 0:
-                for i in cutlass.range_constexpr(nst):
-                    cute.arch.mbarrier_init(empty + i, 4 * nwg)  # one arrive per warp
-            S.prologue(full, nst, cfg.tx_bytes, loads, 0, 1, NT, tid, T)
+                loads.append(S.load(u, sU, (S.BV, S.BT), (bv * nwg + i, None, hv, b), nwg, i))
+            S.prologue(full, nst, cfg.tx_bytes, loads, 0, 1, NT, tid, T, empty, 4 * nwg)  # 1 arrive / warp
 
-            tHs, tHg = S.tma_part(atom_h, sH, cute.local_tile(tma_h, (S.BV, S.KD), (vt, 0, hv, None, b)))
-            tVs, tVg = S.tma_part(atom_v, sV, cute.local_tile(tma_v, (S.BV, S.BT), (vt, None, hv, b)))
-            # built in the kernel (wgmma with A from registers: `S.make_rs_mma`)
-            mma_p = S.make_rs_mma(cfg.dtype, True, S.BT)  # (v, t) over k
-            mma_s = S.make_rs_mma(cfg.dtype, False, S.KD)  # (v, k) over t
-            thr_p = mma_p.get_slice(wtid)
-            thr_s = mma_s.get_slice(wtid)
-            tBw = mma_p.make_fragment_B(thr_p.partition_B(sW))
-            tBk = mma_s.make_fragment_B(thr_s.partition_B(sKg))
-            cS = thr_s.partition_C(cute.make_identity_tensor((S.BV, S.KD)))
-            acc = cute.make_rmem_tensor(cS.shape, cutlass.Float32)  # h^T (v, k)
-            accP = cute.make_rmem_tensor(
-                thr_p.partition_C(cute.make_identity_tensor((S.BV, S.BT))).shape, cutlass.Float32
-            )  # (w h)^T (v, t)
+            st_h = S.store(h, sH, (S.BV, S.KD), (vt, 0, hv, None, b))
+            st_v = S.store(v, sV, (S.BV, S.BT), (vt, None, hv, b))
+            hs = S.StateT(cfg, cta)  # h^T (v, k) and its GEMMs, A from registers
+            mma_p, mma_s, thr_p, thr_s = hs.mma_p, hs.mma_s, hs.thr_p, hs.thr_s
+            tBw, tBk = hs.b_p(sW), hs.b_s(sKg)
+            (accP,) = hs.accumulators(1)  # (w h)^T (v, t)
+            acc, cS = hs.acc, hs.cS
             tSsH = thr_s.partition_C(sH)
             tPsV = thr_p.partition_C(sV)
-            gH0 = S.transposed(cute.local_tile(mH0, (S.KD, S.BV), (0, vt, hv, b)))
-            # (partitioned before the loop: the gemms set the MMA's ACCUMULATE field inside it)
-            tSgHt = thr_s.partition_C(S.transposed(cute.local_tile(mHt, (S.KD, S.BV), (0, vt, hv, b))))
-            if cutlass.const_expr(cfg.has_h0):
-                cute.autovec_copy(thr_s.partition_C(gH0), acc)
-            else:
-                acc.fill(0.0)
+            hs.start(cta, mH0, mHt)
             bar = 1 + wg
 
             for c in cutlass.range(NT, unroll=1):
-                s = c % nst
-                hb = cute.make_rmem_tensor_like(acc, cfg.dtype)
-                hb.store(acc.load().to(cfg.dtype))
-                cute.arch.mbarrier_wait(full + s, (c // nst) % 2)
+                s, hb = S.begin_chunk(hs, c, full)
                 # (v_new)^T = u^T - bf16(h)^T @ w^T, A from registers
-                warpgroup.fence()
                 S.gemm(mma_p, accP, S.acc_as_a(hb), tBw, None, s, False)
                 warpgroup.commit_group()
                 # under it: h *= exp2(gd) (a column scale of h^T), u into registers, and the
@@ -265,8 +174,7 @@ def _b1_kernel(cfg):
                 cute.arch.barrier(barrier_id=bar, number_of_threads=S.THREADS)
                 warpgroup.wait_group(0)
                 accP.store(ub.load().to(cutlass.Float32) - accP.load())
-                vb = cute.make_rmem_tensor_like(accP, cfg.dtype)
-                vb.store(accP.load().to(cfg.dtype))
+                vb = S.cast(accP, cfg.dtype)
                 # h = exp2(gd) h + kg^T bf16(v_new), as h^T += bf16(v_new)^T @ kg
                 warpgroup.fence()
                 S.gemm(mma_s, acc, S.acc_as_a(vb), tBk, None, s, True)
@@ -277,16 +185,14 @@ def _b1_kernel(cfg):
                 cute.autovec_copy(vb, tPsV)
                 S.sync_smem_for_async_wg(bar)
                 if wtid == 0:
-                    S.store_chunk(atom_h, tHs, tHg, c)
-                    S.store_chunk(atom_v, tVs, tVg, c)
+                    S.store_chunk(st_h, c)
+                    S.store_chunk(st_v, c)
                 S.refill(full, empty, s, c, nst, NT, cfg.tx_bytes, loads, T, tid)
 
-            if cutlass.const_expr(cfg.store_ht):
-                cute.autovec_copy(acc, tSgHt)
-            if wtid == 0:
-                cute.arch.cp_async_bulk_wait_group(0)
+            S.finish(acc, hs.tSgHt if cfg.store_ht else None, wtid)
 
-    return K().kda_cute_b1
+    k = K()
+    return k.operands, k.kda_cute_b1
 
 
 # ------------------------------------------------------------------------------------ host side
@@ -332,7 +238,7 @@ def compile_for(
 ):
     """Compile without launching (CPU tests); returns the compiled object."""
     _, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
-    return S.compile_only(_B1, cfg, args, dyn)
+    return S.compile_only(_B1, _b1_kernel, cfg, args, dyn)
 
 
 def fwd_h(
@@ -354,5 +260,5 @@ def launch(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages
     """`fwd_h` without its checks: for a caller whose `is_supported` just said None (the chain's
     gate), so a host-bound step does not pay for them twice."""
     outs, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
-    S.run_cached(_cache, _B1, cfg, args, dyn)
+    S.run_cached(_cache, _B1, _b1_kernel, cfg, args, dyn)
     return outs

@@ -90,10 +90,7 @@ class DhuConfig:
 
 
 class _Dhu(P.Build):
-    def _layouts(self, with_struct=False):
-        import cutlass
-        import cutlass.cute as cute
-
+    def _layouts(self):
         dt, st, nwg = self.dtype, self.stages, self.nwg
         self.l_kg = S.smem_layout(dt, S.BT, S.KD, True, st)  # kg (t, k) A K-major, shared by the warpgroups
         self.l_q = S.smem_layout(dt, S.KD, S.BT, False, st)  # qg^T (k, t) A MN-major, shared
@@ -104,70 +101,9 @@ class _Dhu(P.Build):
         self.l_v = S.smem_layout(dt, S.BV, S.BT, False, nwg)
         self.tx_bytes = sum(S.tile_bytes(dt, lay) for lay in (self.l_kg, self.l_q, self.l_w))
         self.tx_bytes += nwg * (S.tile_bytes(dt, self.l_do) + S.tile_bytes(dt, self.l_dv))
-        if not with_struct:
-            return
-
-        @cute.struct
-        class Storage:
-            mbar: cute.struct.MemRange[cutlass.Int64, st]
-            sG: cute.struct.MemRange[cutlass.Float32, S.KD]
-            sKg: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_kg)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_q)], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_w)], 1024]
-            sDo: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_do)], 1024]
-            sDv: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_dv)], 1024]
-            sH: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_h)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_v)], 1024]
-
-        self.storage = Storage
-
-    def compile_fn(self):
-        import cutlass.cute as cute
-
-        this = self
-
-        @cute.jit
-        def run(qg, kg, w, gk, dht, do, dv, dh, dh0, dv2, stream):
-            this._layouts(with_struct=True)
-            atom_kg, tma_kg = S.tma_load(S.row_view(kg), this.l_kg, (S.BT, S.KD))
-            atom_q, tma_q = S.tma_load(S.col_view(qg), this.l_q, (S.KD, S.BT))
-            atom_w, tma_w = S.tma_load(S.col_view(w), this.l_w, (S.KD, S.BT))
-            atom_do, tma_do = S.tma_load(S.col_view(do), this.l_do, (S.BV, S.BT))
-            atom_dv, tma_dv = S.tma_load(S.col_view(dv), this.l_dv, (S.BV, S.BT))
-            atom_h, tma_h = S.tma_store(S.state_view(dh), this.l_h, (S.BV, S.KD))
-            atom_v, tma_v = S.tma_store(S.col_view(dv2), this.l_v, (S.BV, S.BT))
-            B = cute.size(do, mode=[0])
-            this.kda_cute_dhu(
-                atom_kg,
-                tma_kg,
-                atom_q,
-                tma_q,
-                atom_w,
-                tma_w,
-                atom_do,
-                tma_do,
-                atom_dv,
-                tma_dv,
-                atom_h,
-                tma_h,
-                atom_v,
-                tma_v,
-                S.col_view(gk),
-                S.fp32_state_view(dht),
-                S.fp32_state_view(dh0),
-                S.mma_tt(this.dtype),
-                S.mma_kv(this.dtype),
-            ).launch(
-                grid=(this.V // (S.BV * this.nwg), this.HV, B),
-                block=[S.THREADS * this.nwg, 1, 1],
-                stream=stream,
-            )
-
-        return run
-
-    @property
-    def kda_cute_dhu(self):
-        return _dhu_kernel(self)
+        self.tiles = dict(
+            sKg=self.l_kg, sQ=self.l_q, sW=self.l_w, sDo=self.l_do, sDv=self.l_dv, sH=self.l_h, sV=self.l_v
+        )
 
 
 def _dhu_kernel(cfg):
@@ -175,66 +111,41 @@ def _dhu_kernel(cfg):
     import cutlass.cute as cute
 
     class K:
+        def operands(self, qg, kg, w, gk, dht, do, dv, dh, dh0, dv2):
+            # the kernel's arguments: its TMA operands (in its order), then the others
+            tmas = (
+                S.tma_load(S.row_view(kg), cfg.l_kg, (S.BT, S.KD)),
+                S.tma_load(S.col_view(qg), cfg.l_q, (S.KD, S.BT)),
+                S.tma_load(S.col_view(w), cfg.l_w, (S.KD, S.BT)),
+                S.tma_load(S.col_view(do), cfg.l_do, (S.BV, S.BT)),
+                S.tma_load(S.col_view(dv), cfg.l_dv, (S.BV, S.BT)),
+                S.tma_store(S.state_view(dh), cfg.l_h, (S.BV, S.KD)),
+                S.tma_store(S.col_view(dv2), cfg.l_v, (S.BV, S.BT)),
+            )
+            mmas = (S.mma_tt(cfg.dtype), S.mma_kv(cfg.dtype))
+            return tmas, (S.col_view(gk), S.fp32_state_view(dht), S.fp32_state_view(dh0), *mmas)
+
         @cute.kernel
-        def kda_cute_dhu(
-            self,
-            atom_kg,
-            tma_kg,
-            atom_q,
-            tma_q,
-            atom_w,
-            tma_w,
-            atom_do,
-            tma_do,
-            atom_dv,
-            tma_dv,
-            atom_h,
-            tma_h,
-            atom_v,
-            tma_v,
-            mGk,
-            mDht,
-            mDh0,
-            mma_tt: cute.TiledMma,
-            mma_kv: cute.TiledMma,
-        ):
+        def kda_cute_dhu(self, tmas, mGk, mDht, mDh0, mma_tt: cute.TiledMma, mma_kv: cute.TiledMma):
+            kg, q, w, do, dv, h, v = S.pairs(tmas)
             nst, nwg = cfg.stages, cfg.nwg
-            cfg._layouts()
             cta = S.Cta(cfg, mGk)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
-            hk, T, NT, st, mbar, sG = cta.hk, cta.T, cta.NT, cta.st, cta.mbar, cta.sG
-            hq = cta.hq
-            sKg = S.smem_tensor(st.sKg, cfg.l_kg)
-            sQ = S.smem_tensor(st.sQ, cfg.l_q)
-            sW = S.smem_tensor(st.sW, cfg.l_w)
-            sDo = S.smem_tensor(st.sDo, cfg.l_do)
-            sDv = S.smem_tensor(st.sDv, cfg.l_dv)
-            sHall = S.smem_tensor(st.sH, cfg.l_h)
-            sVall = S.smem_tensor(st.sV, cfg.l_v)
-            sH = sHall[None, None, wg]
-            sV = sVall[None, None, wg]
-
-            tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.BT, S.KD), (None, 0, hk, b)))
-            tQs, tQg = S.tma_part(atom_q, sQ, cute.local_tile(tma_q, (S.KD, S.BT), (0, None, hq, b)))
-            tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.KD, S.BT), (0, None, hv, b)))
-            tHs, tHg = S.tma_part(atom_h, sH, cute.local_tile(tma_h, (S.BV, S.KD), (vt, 0, hv, None, b)))
-            tVs, tVg = S.tma_part(atom_v, sV, cute.local_tile(tma_v, (S.BV, S.BT), (vt, None, hv, b)))
+            hk, hq, T, NT, mbar, sG = cta.hk, cta.hq, cta.T, cta.NT, cta.mbar, cta.sG
+            sKg, sQ, sW, sDo, sDv, sH, sV = cta.tiles
+            sH, sV = sH[None, None, wg], sV[None, None, wg]
 
             loads = [
-                (atom_kg, tKg, tKs),
-                (atom_q, tQg, tQs),
-                (atom_w, tWg, tWs),
+                S.load(kg, sKg, (S.BT, S.KD), (None, 0, hk, b)),
+                S.load(q, sQ, (S.KD, S.BT), (0, None, hq, b)),
+                S.load(w, sW, (S.KD, S.BT), (0, None, hv, b)),
             ]
+            st_h = S.store(h, sH, (S.BV, S.KD), (vt, 0, hv, None, b))
+            st_v = S.store(v, sV, (S.BV, S.BT), (vt, None, hv, b))
             for i in cutlass.range_constexpr(nwg):
                 vti = bv * nwg + i
-                tDos, tDog = S.tma_part(
-                    atom_do, sDo, cute.local_tile(tma_do, (S.BV, S.BT), (vti, None, hv, b))
-                )
-                tDvs, tDvg = S.tma_part(
-                    atom_dv, sDv, cute.local_tile(tma_dv, (S.BV, S.BT), (vti, None, hv, b))
-                )
-                loads.append((atom_do, tDog, tDos, nwg, i))
-                loads.append((atom_dv, tDvg, tDvs, nwg, i))
+                loads.append(S.load(do, sDo, (S.BV, S.BT), (vti, None, hv, b), nwg, i))
+                loads.append(S.load(dv, sDv, (S.BV, S.BT), (vti, None, hv, b), nwg, i))
             S.prologue(mbar, nst, cfg.tx_bytes, loads, NT - 1, -1, NT, tid)
 
             thr_tt = mma_tt.get_slice(wtid)
@@ -269,7 +180,7 @@ def _dhu_kernel(cfg):
                 S.frag_to_smem(acc, tSsH, cfg.dtype)
                 S.sync_smem_for_async()
                 if wtid == 0:
-                    S.store_chunk(atom_h, tHs, tHg, c)
+                    S.store_chunk(st_h, c)
                 cute.arch.mbarrier_wait(mbar + s, phase)
                 # P = kg @ bf16(dh) ; X = dh * exp2(gd) / scale + qg^T @ do   (one wgmma group)
                 S.scale_rows(acc, cS, sG, cutlass.Float32(1.0 / cfg.scale))
@@ -282,7 +193,7 @@ def _dhu_kernel(cfg):
                 S.frag_to_smem(accP, tPsV, cfg.dtype)
                 S.sync_smem_for_async()
                 if wtid == 0:
-                    S.store_chunk(atom_v, tVs, tVg, c)
+                    S.store_chunk(st_v, c)
                 # dh = -( -scale * X + w^T @ bf16(dv2) )
                 acc.store(acc.load() * (-cfg.scale))
                 cute.nvgpu.warpgroup.fence()
@@ -296,12 +207,10 @@ def _dhu_kernel(cfg):
                     if j + nst < NT:
                         S.issue_chunk(mbar, s, cfg.tx_bytes, loads, NT - 1 - (j + nst))
 
-            if cutlass.const_expr(cfg.has_dh0):
-                cute.autovec_copy(acc, tSgDh0)
-            if wtid == 0:
-                cute.arch.cp_async_bulk_wait_group(0)
+            S.finish(acc, tSgDh0 if cfg.has_dh0 else None, wtid)
 
-    return K().kda_cute_dhu
+    k = K()
+    return k.operands, k.kda_cute_dhu
 
 
 # ------------------------------------------------------------------------------------ host side
@@ -388,7 +297,7 @@ def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
 def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
     """Compile without launching (CPU tests); returns the compiled object."""
     _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
-    return S.compile_only(_Dhu, cfg, args, dyn)
+    return S.compile_only(_Dhu, _dhu_kernel, cfg, args, dyn)
 
 
 def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
@@ -405,5 +314,5 @@ def launch(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroup
     """`bwd_dhu` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
     outs, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
-    S.run_cached(_cache, _Dhu, cfg, args, dyn)
+    S.run_cached(_cache, _Dhu, _dhu_kernel, cfg, args, dyn)
     return outs

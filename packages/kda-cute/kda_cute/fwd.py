@@ -90,8 +90,7 @@ class FwdConfig:
 
 
 class _Fwd(P.Build):
-    def _layouts(self, with_struct=False):
-        import cutlass
+    def _layouts(self):
         import cutlass.cute as cute
 
         dt, st, nwg = self.dtype, self.stages, self.nwg
@@ -104,69 +103,7 @@ class _Fwd(P.Build):
         self.l_o = S.smem_layout(dt, S.BV, S.BT, False, 2 * nwg)  # o (v, t), slot parity * nwg + wg
         self.tx_bytes = sum(S.tile_bytes(dt, lay) for lay in (self.l_w, self.l_q, self.l_kg, self.l_a))
         self.tx_bytes += nwg * S.tile_bytes(dt, self.l_u) + S.KD * 4
-        if not with_struct:
-            return
-
-        @cute.struct
-        class Storage:
-            mbar: cute.struct.MemRange[cutlass.Int64, st]  # full: the stage's loads landed
-            empty: cute.struct.MemRange[cutlass.Int64, st]
-            sG: cute.struct.MemRange[cutlass.Float32, S.KD]  # (S.Cta's; unused here)
-            sGd: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, S.KD * st], 128]
-            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_w)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_q)], 1024]
-            sKg: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_kg)], 1024]
-            sU: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_u)], 1024]
-            sA: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_a)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.l_o)], 1024]
-
-        self.storage = Storage
-
-    def compile_fn(self):
-        import cutlass.cute as cute
-
-        this = self
-
-        @cute.jit
-        def run(qg, kg, w, u, gk, aqk, h0, o, ht, stream):
-            this._layouts(with_struct=True)
-            atom_w, tma_w = S.tma_load(S.row_view(w), this.l_w, (S.BT, S.KD))
-            atom_q, tma_q = S.tma_load(S.row_view(qg), this.l_q, (S.BT, S.KD))
-            atom_kg, tma_kg = S.tma_load(S.col_view(kg), this.l_kg, (S.KD, S.BT))
-            atom_u, tma_u = S.tma_load(S.col_view(u), this.l_u, (S.BV, S.BT))
-            atom_a, tma_a = S.tma_load(S.row_view(aqk), this.l_a, (S.BT, S.BT))
-            atom_g, tma_g = S.tma_load(S.col_view(gk), this.l_g, (S.KD, 1))
-            atom_o, tma_o = S.tma_store(S.col_view(o), this.l_o, (S.BV, S.BT))
-            B = cute.size(u, mode=[0])
-            this.kda_cute_fwd(
-                atom_w,
-                tma_w,
-                atom_q,
-                tma_q,
-                atom_kg,
-                tma_kg,
-                atom_u,
-                tma_u,
-                atom_a,
-                tma_a,
-                atom_g,
-                tma_g,
-                atom_o,
-                tma_o,
-                S.col_view(gk),
-                S.fp32_state_view(h0),
-                S.fp32_state_view(ht),
-            ).launch(
-                grid=(this.V // (S.BV * this.nwg), this.HV, B),
-                block=[S.THREADS * this.nwg, 1, 1],
-                stream=stream,
-            )
-
-        return run
-
-    @property
-    def kda_cute_fwd(self):
-        return _fwd_kernel(self)
+        self.tiles = dict(sW=self.l_w, sQ=self.l_q, sKg=self.l_kg, sU=self.l_u, sA=self.l_a, sO=self.l_o)
 
 
 def _fwd_kernel(cfg):
@@ -175,95 +112,54 @@ def _fwd_kernel(cfg):
     from cutlass.cute.nvgpu import warpgroup
 
     class K:
+        def operands(self, qg, kg, w, u, gk, aqk, h0, o, ht):
+            # the kernel's arguments: its TMA operands (in its order), then the others
+            tmas = (
+                S.tma_load(S.row_view(w), cfg.l_w, (S.BT, S.KD)),
+                S.tma_load(S.row_view(qg), cfg.l_q, (S.BT, S.KD)),
+                S.tma_load(S.col_view(kg), cfg.l_kg, (S.KD, S.BT)),
+                S.tma_load(S.col_view(u), cfg.l_u, (S.BV, S.BT)),
+                S.tma_load(S.row_view(aqk), cfg.l_a, (S.BT, S.BT)),
+                S.tma_load(S.col_view(gk), cfg.l_g, (S.KD, 1)),
+                S.tma_store(S.col_view(o), cfg.l_o, (S.BV, S.BT)),
+            )
+            return tmas, (S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht))
+
         @cute.kernel
-        def kda_cute_fwd(
-            self,
-            atom_w,
-            tma_w,
-            atom_q,
-            tma_q,
-            atom_kg,
-            tma_kg,
-            atom_u,
-            tma_u,
-            atom_a,
-            tma_a,
-            atom_g,
-            tma_g,
-            atom_o,
-            tma_o,
-            mGc,
-            mH0,
-            mHt,
-        ):
+        def kda_cute_fwd(self, tmas, mGc, mH0, mHt):
+            w, q, kg, u, a, g, o = S.pairs(tmas)
             nst, nwg = cfg.stages, cfg.nwg
-            cfg._layouts()
             cta = S.Cta(cfg, mGc)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
-            hk, T, NT, st = cta.hk, cta.T, cta.NT, cta.st
-            full = cta.mbar
-            empty = st.empty.data_ptr()
-            sW = S.smem_tensor(st.sW, cfg.l_w)
-            sQ = S.smem_tensor(st.sQ, cfg.l_q)
-            sKg = S.smem_tensor(st.sKg, cfg.l_kg)
-            sU = S.smem_tensor(st.sU, cfg.l_u)
-            sA = S.smem_tensor(st.sA, cfg.l_a)
-            sGd = st.sGd.get_tensor(cfg.l_g)
-            sO = S.smem_tensor(st.sO, cfg.l_o)[None, None, wg]
+            hk, T, NT, full, empty = cta.hk, cta.T, cta.NT, cta.mbar, cta.empty
+            sW, sQ, sKg, sU, sA, sO = cta.tiles
+            sGd, sO = cta.sGd, sO[None, None, wg]
 
-            tWs, tWg = S.tma_part(atom_w, sW, cute.local_tile(tma_w, (S.BT, S.KD), (None, 0, hv, b)))
-            tQs, tQg = S.tma_part(atom_q, sQ, cute.local_tile(tma_q, (S.BT, S.KD), (None, 0, hv, b)))
-            tKs, tKg = S.tma_part(atom_kg, sKg, cute.local_tile(tma_kg, (S.KD, S.BT), (0, None, hk, b)))
-            tAs, tAg = S.tma_part(atom_a, sA, cute.local_tile(tma_a, (S.BT, S.BT), (None, 0, hv, b)))
-            tGs, tGg = S.tma_part(atom_g, sGd, cute.local_tile(tma_g, (S.KD, 1), (0, None, hv, b)))
-            gOt = cute.local_tile(tma_o, (S.BV, S.BT), (vt, None, hv, b))
-            _, tOg = S.tma_part(atom_o, sO, gOt)
             loads = [
-                (atom_w, tWg, tWs),
-                (atom_q, tQg, tQs),
-                (atom_kg, tKg, tKs),
-                (atom_a, tAg, tAs),
-                (atom_g, tGg, tGs, "row"),
+                S.load(w, sW, (S.BT, S.KD), (None, 0, hv, b)),
+                S.load(q, sQ, (S.BT, S.KD), (None, 0, hv, b)),
+                S.load(kg, sKg, (S.KD, S.BT), (0, None, hk, b)),
+                S.load(a, sA, (S.BT, S.BT), (None, 0, hv, b)),
+                S.load(g, sGd, (S.KD, 1), (0, None, hv, b), "row"),
             ]
+            # o's two buffers (chunk parity) share one gmem partition; the smem one is the chunk's
+            gOt = cute.local_tile(o[1], (S.BV, S.BT), (vt, None, hv, b))
+            st_o = (o[0], None, S.tma_part(o[0], sO, gOt)[1])
             for i in cutlass.range_constexpr(nwg):
-                tUs, tUg = S.tma_part(
-                    atom_u, sU, cute.local_tile(tma_u, (S.BV, S.BT), (bv * nwg + i, None, hv, b))
-                )
-                loads.append((atom_u, tUg, tUs, nwg, i))
-            if tid == 0:
-                for i in cutlass.range_constexpr(nst):
-                    cute.arch.mbarrier_init(empty + i, 4 * nwg)  # one arrive per warp
-            S.prologue(full, nst, cfg.tx_bytes, loads, 0, 1, NT, tid, T)
+                loads.append(S.load(u, sU, (S.BV, S.BT), (bv * nwg + i, None, hv, b), nwg, i))
+            S.prologue(full, nst, cfg.tx_bytes, loads, 0, 1, NT, tid, T, empty, 4 * nwg)  # 1 arrive / warp
 
-            mma_p = S.make_rs_mma(cfg.dtype, True, S.BT)  # (v, t) over k, and over s for o
-            mma_s = S.make_rs_mma(cfg.dtype, False, S.KD)  # (v, k) over t
-            thr_p = mma_p.get_slice(wtid)
-            thr_s = mma_s.get_slice(wtid)
-            tBw = mma_p.make_fragment_B(thr_p.partition_B(sW))
-            tBq = mma_p.make_fragment_B(thr_p.partition_B(sQ))
-            tBa = mma_p.make_fragment_B(thr_p.partition_B(sA))
-            tBk = mma_s.make_fragment_B(thr_s.partition_B(sKg))
-            cS = thr_s.partition_C(cute.make_identity_tensor((S.BV, S.KD)))
-            acc = cute.make_rmem_tensor(cS.shape, cutlass.Float32)  # h^T (v, k)
-            shapeP = thr_p.partition_C(cute.make_identity_tensor((S.BV, S.BT))).shape
-            accP = cute.make_rmem_tensor(shapeP, cutlass.Float32)  # (w h)^T (v, t)
-            accO = cute.make_rmem_tensor(shapeP, cutlass.Float32)  # o^T (v, t)
-            gH0 = S.transposed(cute.local_tile(mH0, (S.KD, S.BV), (0, vt, hv, b)))
-            # (partitioned before the loop: the gemms set the MMA's ACCUMULATE field inside it)
-            tSgHt = thr_s.partition_C(S.transposed(cute.local_tile(mHt, (S.KD, S.BV), (0, vt, hv, b))))
-            if cutlass.const_expr(cfg.has_h0):
-                cute.autovec_copy(thr_s.partition_C(gH0), acc)
-            else:
-                acc.fill(0.0)
+            hs = S.StateT(cfg, cta)  # h^T (v, k) and its GEMMs (mma_p also for o, over s)
+            mma_p, mma_s, thr_p = hs.mma_p, hs.mma_s, hs.thr_p
+            tBw, tBq, tBa, tBk = hs.b_p(sW), hs.b_p(sQ), hs.b_p(sA), hs.b_s(sKg)
+            accP, accO = hs.accumulators(2)  # (w h)^T, o^T (v, t)
+            acc, cS = hs.acc, hs.cS
+            hs.start(cta, mH0, mHt)
             bar = 1 + wg
 
             for c in cutlass.range(NT, unroll=1):
-                s = c % nst
-                hb = cute.make_rmem_tensor_like(acc, cfg.dtype)
-                hb.store(acc.load().to(cfg.dtype))
-                cute.arch.mbarrier_wait(full + s, (c // nst) % 2)
+                s, hb = S.begin_chunk(hs, c, full)
                 # P^T = bf16(h)^T w^T, O^T = bf16(h)^T qg^T: one group, A from registers
-                warpgroup.fence()
                 S.gemm(mma_p, accP, S.acc_as_a(hb), tBw, None, s, False)
                 S.gemm(mma_p, accO, S.acc_as_a(hb), tBq, None, s, False)
                 warpgroup.commit_group()
@@ -278,8 +174,7 @@ def _fwd_kernel(cfg):
                 S.sync_smem_for_async()
                 warpgroup.wait_group(0)
                 accP.store(ub.load().to(cutlass.Float32) - accP.load())
-                vb = cute.make_rmem_tensor_like(accP, cfg.dtype)
-                vb.store(accP.load().to(cfg.dtype))
+                vb = S.cast(accP, cfg.dtype)
                 accO.store(accO.load() * cfg.scale)
                 # o^T += bf16(v_new)^T tril(Aqk)^T ; h^T += bf16(v_new)^T kg
                 warpgroup.fence()
@@ -292,15 +187,13 @@ def _fwd_kernel(cfg):
                 S.frag_to_smem(accO, thr_p.partition_C(sOc), cfg.dtype)
                 S.sync_smem_for_async_wg(bar)
                 if wtid == 0:
-                    S.store_chunk(atom_o, S.tma_part(atom_o, sOc, gOt)[0], tOg, c)
+                    S.store_chunk(st_o, c, S.tma_part(o[0], sOc, gOt)[0])
                 S.refill(full, empty, s, c, nst, NT, cfg.tx_bytes, loads, T, tid)
 
-            if cutlass.const_expr(cfg.store_ht):
-                cute.autovec_copy(acc, tSgHt)
-            if wtid == 0:
-                cute.arch.cp_async_bulk_wait_group(0)
+            S.finish(acc, hs.tSgHt if cfg.store_ht else None, wtid)
 
-    return K().kda_cute_fwd
+    k = K()
+    return k.operands, k.kda_cute_fwd
 
 
 # ------------------------------------------------------------------------------------ host side
@@ -381,40 +274,18 @@ def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stage
 
 
 def compile_for(
-    q,
-    qg,
-    kg,
-    w,
-    u,
-    gk,
-    Aqk,
-    initial_state=None,
-    output_final_state=False,
-    scale=None,
-    *,
-    stages=None,
+    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages=None,
     warpgroups=None,
 ):
     """Compile without launching (CPU tests); returns the compiled object. q is not read."""
     _, args, dyn, cfg = _plan(
         qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
     )
-    return S.compile_only(_Fwd, cfg, args, dyn)
+    return S.compile_only(_Fwd, _fwd_kernel, cfg, args, dyn)
 
 
 def fwd_scan(
-    q,
-    qg,
-    kg,
-    w,
-    u,
-    gk,
-    Aqk,
-    initial_state=None,
-    output_final_state=False,
-    scale=None,
-    *,
-    stages=None,
+    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages=None,
     warpgroups=None,
 ):
     """fwd_h + fwd_o fused -> (o, ht). qg = bf16(q * exp2(gk)) [B, T, HV, K] in u's dtype, as
@@ -436,5 +307,5 @@ def launch(q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=Fals
     outs, args, dyn, cfg = _plan(
         qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
     )
-    S.run_cached(_cache, _Fwd, cfg, args, dyn)
+    S.run_cached(_cache, _Fwd, _fwd_kernel, cfg, args, dyn)
     return outs

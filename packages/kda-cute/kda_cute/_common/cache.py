@@ -159,6 +159,7 @@ class CallCache:
     lock: threading.Lock = field(default_factory=threading.Lock)
     compiles: int = 0  # observable for tests: how many times `build` ran
     marshals: int = 0  # how many view-level entries were built (dlpack path)
+    path: str | None = None  # the launch path this kernel took (None until its first launch)
 
     def launch(self, compile_key, args: Sequence[torch.Tensor], dyn_modes: Sequence[Sequence[int]],
                build: Callable) -> None:
@@ -178,24 +179,37 @@ class CallCache:
         log.info("kda_cute: compiled %s in %.1f s", self.name, time.perf_counter() - t0)
         self.compiles += 1
 
+    def _compile_tvm_ffi(self, ckey, args, dyn_modes, build):
+        """The TVM-FFI build of `ckey`, or None (and this cache on the DLPack path from then on,
+        logged with the reason) when the DSL cannot build this kernel that way."""
+        from cutlass.cute.runtime import make_fake_stream
+
+        with self.lock:
+            if ckey not in self.compiled:
+                views = tuple(cute_view(t, d, tvm_ffi=True) for t, d in zip(args, dyn_modes, strict=True))
+                try:
+                    self._compile(ckey, views, make_fake_stream(use_tvm_ffi_env_stream=True), build,
+                                  "--enable-tvm-ffi")
+                except Exception as e:  # noqa: BLE001  a DSL limitation: fall back, loudly
+                    log.warning("kda_cute: %s cannot launch through TVM-FFI (%s: %s); using DLPack "
+                                "descriptors", self.name, type(e).__name__, e)
+                    self.path = "dlpack"
+                    self.compiled.clear()  # TVM-FFI builds of other keys: another calling convention
+                    return None
+                del views  # the compiled function takes tensors: no descriptor outlives this
+            self.path = "tvm-ffi"
+            return self.compiled[ckey]
+
     def _launch(self, compile_key, args, dyn_modes, build) -> None:
         dev = args[0].device
         ckey = (compile_key, dev.index)  # one compiled (loaded) kernel per device
-        if launch_path() == "tvm-ffi":
+        if self.path == "tvm-ffi" or (self.path is None and launch_path() == "tvm-ffi"):
             fn = self.compiled.get(ckey)
             if fn is None:
-                from cutlass.cute.runtime import make_fake_stream
-
-                with self.lock:
-                    if ckey not in self.compiled:
-                        views = tuple(cute_view(t, d, tvm_ffi=True)
-                                      for t, d in zip(args, dyn_modes, strict=True))
-                        self._compile(ckey, views, make_fake_stream(use_tvm_ffi_env_stream=True), build,
-                                      "--enable-tvm-ffi")
-                        del views  # the compiled function takes tensors: no descriptor outlives this
-                fn = self.compiled[ckey]
-            fn(*args)  # the stream: torch's current stream, read by TVM-FFI at the call
-            return
+                fn = self._compile_tvm_ffi(ckey, args, dyn_modes, build)
+            if fn is not None:
+                fn(*args)  # the stream: torch's current stream, read by TVM-FFI at the call
+                return
         handle, stream = current_stream(dev)
         view_key = (ckey, handle, tuple(tensor_sig(t) for t in args))
         entry = self.entries.get(view_key)
