@@ -373,7 +373,8 @@ def _two(name: str, fla_fn: Callable) -> Stage:
 
 
 # fla's function for every CuTe stage of kda_cute.registry (the per-stage fallback)
-_FLA_OF_CUTE = {"fwd": _fla_fwd_scan, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu, "intra": _fla_bwd_intra}
+_FLA_OF_CUTE = {"fwd": _fla_fwd_scan, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu, "bwd_wy_dqkg": _fla_bwd_wy_dqkg,
+                "intra": _fla_bwd_intra}
 # The stages with a CuTe kernel, one per registry record: kda_cute.<name>, then fla, then the reference.
 CUTE_STAGES = {
     rec.name: Stage(rec.name, [cute_impl(rec), Impl("fla", fla_gate, _FLA_OF_CUTE[rec.name]),
@@ -390,7 +391,7 @@ recompute_w_u = _two("recompute_w_u", _fla_recompute_w_u)
 b1 = CUTE_STAGES["b1"]
 bwd_dAv = Stage("bwd_dAv", [Impl("fla", fla_gate, _fla_bwd_dAv), Impl("reference", _always, _ref_bwd_dAv)])
 dhu = CUTE_STAGES["dhu"]
-bwd_wy_dqkg = _two("bwd_wy_dqkg", _fla_bwd_wy_dqkg)
+bwd_wy_dqkg = CUTE_STAGES["bwd_wy_dqkg"]
 intra = CUTE_STAGES["intra"]
 dg_cumsum = _two("dg_cumsum", _fla_dg_cumsum)
 # fla sums the GVA group with a torch view + sum too: one implementation on every device.

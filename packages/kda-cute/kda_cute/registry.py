@@ -109,10 +109,19 @@ def _probe_intra(d: Dims) -> tuple:
     return (qk, qk, g, d.t(d.B, d.T, d.HV), a, a, g, g, d.t(d.B, d.T, d.HV, dtype=_F32), g)
 
 
+def _probe_wy_dqkg(d: Dims) -> tuple:
+    # bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale)
+    qk, vv = d.t(d.B, d.T, d.H, d.K), d.t(d.B, d.T, d.HV, d.V)
+    st = d.t(d.B, -(-d.T // 64), d.HV, d.K, d.V)
+    gk, a = d.t(d.B, d.T, d.HV, d.K, dtype=_F32), d.t(d.B, d.T, d.HV, 64)
+    return (qk, qk, vv, vv, gk, d.t(d.B, d.T, d.HV), a, st, vv, st, vv, d.K**-0.5)
+
+
 STAGES: tuple[CuteStage, ...] = (
     CuteStage("fwd", "fwd_scan", ("kda_cute_fwd",), _probe_fwd),
     CuteStage("b1", "fwd_h", ("kda_cute_b1",), _probe_b1),
     CuteStage("dhu", "bwd_dhu", ("kda_cute_dhu",), _probe_dhu),
+    CuteStage("bwd_wy_dqkg", "bwd_wy_dqkg", ("kda_cute_wy_dqkg",), _probe_wy_dqkg, module="wy_dqkg"),
     CuteStage("intra", "bwd_intra", ("kda_cute_intra",), _probe_intra, flags=("fold_dg", "emit_bf16")),
 )
 BY_NAME: dict[str, CuteStage] = {s.name: s for s in STAGES}

@@ -1,0 +1,727 @@
+"""kda_cute_wy_dqkg: the WY / state-gradient backward on sm_90 (fla 0.6.0's
+`chunk_kda_bwd_wy_dqkg_fused`, the chain's stage `bwd_wy_dqkg`).
+
+Per chunk of BT = 64 tokens and value head hv (A = Akk, E = exp2(gk), gn = gk at the chunk's last
+row, h / dh the chunk's states, all sums over V in 64-wide tiles):
+
+    dq   = scale (do h^T) E              dk' = (v_new dh^T) exp2(gn - gk)
+    dw   = -bf16(dv h^T)                 dA  = dv v^T + dw bf16(k E)^T
+    dvb  = A^T dv:  dv2 = dvb beta,      db  = sum_v dvb v + sum_k dkb k E,   dkb = A^T dw
+    dk   = dk' + dkb E beta              dg  = q dq - k dk' + k E dkb beta
+                                              + [last row] (exp2(gn) sum_v h dh + sum_t k dk')
+    dAkk = -(A^T bf16(bf16(strict(dA) beta_j) A^T)), strictly lower
+
+with fla's casts: every GEMM takes io-dtype (bf16 / fp16) operands into fp32 accumulators
+(mma.sync m16n8k16); dw, k E, the masked dA and the middle product of dAkk are rounded to the
+io dtype before their GEMMs, as fla's `.to(b_A.dtype)`.
+
+CTA decomposition: one CTA per (chunk, hv, b), grid (T / 64, HV, B), 512 threads = 16 warps in
+a 4 (rows) x 4 (columns) grid of one tiled mma (64 x 64 x 16 per step), one CTA per SM (the
+accumulators dq, dk, dw [64 x 128] and dA [64 x 64] fp32 stay in registers: 56 per thread).
+The CTA owns the whole K and walks V in 64-wide tiles: per tile, do, v_new, dv, v (64 x 64) and
+h, dh (128 x 64) arrive by cp.async in a 2-stage ring (the next tile's loads fly under this
+tile's GEMMs); q, k, gk (for the epilogue) and Akk are loaded once, up front. Per tile:
+
+    dq += do h^T    dk += v_new dh^T    dw += dv h^T    dA += dv v^T     (h's fragments shared)
+    dvb = A^T dv  -> dv2 stored, db partials;  sum_v h dh per key column (SIMT)
+
+dv2 leaves through an 8 KB smem staging tile (16-byte coalesced stores after the tile's barrier).
+Epilogue: dq out; dw and k E (io dtype) to smem; dA += dw (kE)^T, dkb = A^T dw (two more
+smem GEMMs); dk, dg out (the last row after a column reduction of k dk' across the 4 row warps);
+dA masked x beta_j to smem, X = dA A^T, Y = A^T X, dAkk = -Y strictly lower. The fp32 outputs
+leave from the C fragments as 8-byte column pairs (st.global.v2), every smem access of the
+epilogue is a pair or wider. ptxas 13.0: 128 registers (the 512-thread cap), 8-16 bytes spilled.
+
+Layouts: global as fla (q, k [B, T, H, K]; v-like [B, T, HV, V]; gk and the K outputs [B, T, HV,
+K]; Akk / dAkk [B, T, HV, 64]; h, dh [B, NT, HV, K, V], K-major rows of V). smem tiles of 16-bit
+elements are 64-column rows with the 128-byte swizzle (Swizzle<3,3,3>), read by ldmatrix (.trans
+for the operands whose M / N mode is the contiguous one: A^T, dv^T, dw^T, X^T); gk fp32 rows
+padded to 136 floats. smem: 2 stages x 64 KB + Akk 8 + q, k 32 + gk 34 + dv2 staging 8 + tables
+4 = 214 KB; the epilogue's dw, k E, dA, X tiles (48 KB) reuse the ring.
+
+Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16:
+
+    read    q, k 1.074 GB, gk 1.074, v, v_new, do, dv 4.295, h, dh 4.295, Akk 0.268   11.01 GB
+    write   dq, dk, dg 3.221 GB, dv2 1.074, dAkk 0.537, db 0.008                        4.84 GB
+    total   15.85 GB: 3.96 ms at 4.0 TB/s (fla's kernel takes 12.4 ms there)
+
+Today: interpreter-checked only (CPU); not yet timed on a GPU. Errors vs float64 equal those of
+fla's casts to 3-4 digits (docs/perf/wy_dqkg.md).
+
+Constraints: K = 128; V % 64 == 0; T % 64 == 0 (a ragged last chunk is refused); HV % H == 0;
+q, k, v, v_new, Akk, h, do, dh, dv one dtype (bf16 or fp16); beta bf16 / fp16 / fp32; gk fp32;
+contiguous, 16-byte aligned; no varlen, no state_v_first. `scale` is part of the compile key.
+
+Validated on CPU by the PTX interpreter (tests/kda_cute/test_wy_dqkg_compile.py, ptxsim.kda_wy).
+History and measurements: docs/perf/wy_dqkg.md.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ._common.cache import CallCache, alloc
+from ._common.support import compile_arch, device_reason
+
+BT = 64  # chunk
+BV = 64  # V tile
+THREADS = 512
+STAGES = 2
+SUPPORTED_K = (128,)
+GPAD = 8  # gk smem row padding (floats): conflict-free pair reads at mma C positions
+
+_cache = CallCache("kda_cute_wy_dqkg")
+
+
+class KdaWyDqkg:
+    """See the module docstring. io: the 16-bit operand dtype; beta_dtype: beta's."""
+
+    def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float):
+        self.io_dtype = io_dtype
+        self.beta_dtype = beta_dtype
+        self.K = K
+        self.V = V
+        self.NV = V // BV
+        self.gsize = gsize
+        self.scale = float(scale)
+
+
+def _build_kernel_class():
+    """Defined lazily so importing this module does not import the DSL (seconds)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import cpasync, warp
+
+    f32 = cutlass.Float32
+
+    def _exp2(x):
+        return cute.math.exp2(x, fastmath=True)
+
+    def _mn_view(acc):
+        """A C fragment ((2, 2), M, N) as a (rows, cols) view: ((2, M), (2, N))."""
+        lay = cute.make_layout(acc.layout.shape)
+        mn = cute.make_layout(
+            ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+            stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
+        )
+        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+    def _gmem(t):
+        """t (a DLPack view: generic address space) as a global-memory tensor (cp.async needs it)."""
+        ptr = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+        return cute.make_tensor(ptr, t.layout)
+
+    class _Kernel(KdaWyDqkg):
+        @cute.jit
+        def __call__(
+            self,
+            mQ: cute.Tensor,  # [B, T, H, K] io
+            mK: cute.Tensor,
+            mV: cute.Tensor,  # [B, T, HV, V] io
+            mVn: cute.Tensor,
+            mG: cute.Tensor,  # [B, T, HV, K] f32
+            mBeta: cute.Tensor,  # [B, T, HV]
+            mA: cute.Tensor,  # [B, T, HV, BT] io
+            mH: cute.Tensor,  # [B, NT, HV, K, V] io
+            mDo: cute.Tensor,  # [B, T, HV, V] io
+            mDh: cute.Tensor,  # [B, NT, HV, K, V] io
+            mDv: cute.Tensor,  # [B, T, HV, V] io
+            mDq: cute.Tensor,  # outputs: [B, T, HV, K] f32
+            mDk: cute.Tensor,
+            mDv2: cute.Tensor,  # [B, T, HV, V] io
+            mDb: cute.Tensor,  # [B, T, HV] f32
+            mDg: cute.Tensor,  # [B, T, HV, K] f32
+            mDA: cute.Tensor,  # [B, T, HV, BT] f32
+            stream,
+        ):
+            B = cute.size(mG, mode=[0])
+            T = cute.size(mG, mode=[1])
+            HV = cute.size(mG, mode=[2])
+            kernel = self.kda_cute_wy_dqkg(
+                mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA
+            )
+            kernel.launch(grid=(T // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=1,
+                          preferred_smem_carveout=100, stream=stream)
+
+        @cute.kernel
+        def kda_cute_wy_dqkg(
+            self,
+            mQ: cute.Tensor,
+            mK: cute.Tensor,
+            mV: cute.Tensor,
+            mVn: cute.Tensor,
+            mG: cute.Tensor,
+            mBeta: cute.Tensor,
+            mA: cute.Tensor,
+            mH: cute.Tensor,
+            mDo: cute.Tensor,
+            mDh: cute.Tensor,
+            mDv: cute.Tensor,
+            mDq: cute.Tensor,
+            mDk: cute.Tensor,
+            mDv2: cute.Tensor,
+            mDb: cute.Tensor,
+            mDg: cute.Tensor,
+            mDA: cute.Tensor,
+        ):
+            K = self.K
+            NV = self.NV
+            io = self.io_dtype
+            mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDg, mDA = (
+                _gmem(t) for t in (mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDg, mDA))
+            tidx, _, _ = cute.arch.thread_idx()
+            t_idx, hv, b = cute.arch.block_idx()
+            h = hv // self.gsize
+            row0 = t_idx * BT
+            lane = tidx % 32
+            wid = tidx // 32
+            wm = wid % 4  # the tiled mma's warp grid: (4 row warps, 4 column warps), M first
+            wn = wid // 4
+
+            # ---------------- global tiles
+            gQ = cute.local_tile(mQ[b, None, h, None], (BT, K), (t_idx, 0))
+            gK = cute.local_tile(mK[b, None, h, None], (BT, K), (t_idx, 0))
+            gG = cute.local_tile(mG[b, None, hv, None], (BT, K), (t_idx, 0))
+            gA = cute.local_tile(mA[b, None, hv, None], (BT, BT), (t_idx, 0))
+            gV = cute.local_tile(mV[b, None, hv, None], (BT, BV), (t_idx, None))
+            gVn = cute.local_tile(mVn[b, None, hv, None], (BT, BV), (t_idx, None))
+            gDo = cute.local_tile(mDo[b, None, hv, None], (BT, BV), (t_idx, None))
+            gDv = cute.local_tile(mDv[b, None, hv, None], (BT, BV), (t_idx, None))
+            gDv2 = cute.local_tile(mDv2[b, None, hv, None], (BT, BV), (t_idx, None))
+            gH = cute.local_tile(mH[b, t_idx, hv, None, None], (K, BV), (0, None))
+            gDh = cute.local_tile(mDh[b, t_idx, hv, None, None], (K, BV), (0, None))
+            gDq = cute.local_tile(mDq[b, None, hv, None], (BT, K), (t_idx, 0))
+            gDk = cute.local_tile(mDk[b, None, hv, None], (BT, K), (t_idx, 0))
+            gDg = cute.local_tile(mDg[b, None, hv, None], (BT, K), (t_idx, 0))
+            gDA = cute.local_tile(mDA[b, None, hv, None], (BT, BT), (t_idx, 0))
+
+            # ---------------- shared memory
+            smem = cutlass.memory.SmemAllocator()
+            atom = cute.make_composed_layout(
+                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+            )
+            l64 = cute.tile_to_shape(atom, (BT, BV), (0, 1))
+            l64s = cute.tile_to_shape(atom, (BT, BV, STAGES), (0, 1, 2))
+            lks = cute.tile_to_shape(atom, (K, BV, STAGES), (0, 1, 2))
+            lk = cute.tile_to_shape(atom, (BT, K), (0, 1))
+            sDo = smem.allocate_tensor(io, l64s, 1024)
+            sVn = smem.allocate_tensor(io, l64s, 1024)
+            sDv = smem.allocate_tensor(io, l64s, 1024)
+            sV = smem.allocate_tensor(io, l64s, 1024)
+            sH = smem.allocate_tensor(io, lks, 1024)
+            sDh = smem.allocate_tensor(io, lks, 1024)
+            sA = smem.allocate_tensor(io, l64, 1024)
+            sQ = smem.allocate_tensor(io, lk, 1024)
+            sK = smem.allocate_tensor(io, lk, 1024)
+            GS = K + GPAD
+            sG = smem.allocate_tensor(f32, cute.make_layout((BT, K), stride=(GS, 1)), 16)
+            sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
+            sDbp = smem.allocate_tensor(f32, cute.make_layout((BT, 4), stride=(4, 1)), 16)
+            sCol = smem.allocate_tensor(f32, cute.make_layout((4, K), stride=(K, 1)), 16)
+            sHd = smem.allocate_tensor(f32, cute.make_layout(K), 16)
+            sO = smem.allocate_tensor(io, l64, 1024)  # dv2 tile, staged for 16-byte stores
+            # epilogue tiles over the ring (free once the V walk is done)
+            sDW = cute.make_tensor(sH.iterator, lk)  # dw (io), 16 KB
+            sKG = cute.make_tensor(sDh.iterator, lk)  # bf16(k E), 16 KB
+            sDAm = cute.make_tensor(sDo.iterator, l64)  # bf16(strict(dA) beta_j)
+            sX = cute.make_tensor(sVn.iterator, l64)  # bf16(dA A^T)
+
+            # transposed views (M / N the contiguous mode): [i, j] = A[j, i] etc.
+            tr64 = cute.make_layout((BT, BT), stride=(BT, 1))
+            sAT = cute.composition(sA, tr64)
+            sXT = cute.composition(sX, tr64)
+            sDWT = cute.composition(sDW, cute.make_layout((K, BT), stride=(BT, 1)))
+
+            # ---------------- cp.async tiled copies (16 bytes per thread per copy)
+            g2s = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+            cp_io = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(g2s, io, num_bits_per_copy=128),
+                cute.make_layout((THREADS // 8, 8), stride=(8, 1)),
+                cute.make_layout((1, 8)),
+            )
+            cp_f32 = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(g2s, f32, num_bits_per_copy=128),
+                cute.make_layout((THREADS // 32, 32), stride=(32, 1)),
+                cute.make_layout((1, 4)),
+            )
+            # smem -> gmem (dv2) and rmem -> gmem (fp32 C fragments, column pairs) stores
+            st_io = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io, num_bits_per_copy=128),
+                cute.make_layout((THREADS // 8, 8), stride=(8, 1)),
+                cute.make_layout((1, 8)),
+            )
+            tso = st_io.get_slice(tidx)
+            tOs = tso.partition_S(sO)
+            tOg = tso.partition_D(gDv2)
+            rOst = cute.make_fragment_like(tOs)
+            tio = cp_io.get_slice(tidx)
+            tf = cp_f32.get_slice(tidx)
+            tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
+            tVng, tVns = tio.partition_S(gVn), tio.partition_D(sVn)
+            tDog, tDos = tio.partition_S(gDo), tio.partition_D(sDo)
+            tDvg, tDvs = tio.partition_S(gDv), tio.partition_D(sDv)
+            tHg, tHs = tio.partition_S(gH), tio.partition_D(sH)
+            tDhg, tDhs = tio.partition_S(gDh), tio.partition_D(sDh)
+
+            def load_tile(iv, st):
+                cute.copy(cp_io, tDog[None, None, None, iv], tDos[None, None, None, st])
+                cute.copy(cp_io, tHg[None, None, None, iv], tHs[None, None, None, st])
+                cute.copy(cp_io, tVng[None, None, None, iv], tVns[None, None, None, st])
+                cute.copy(cp_io, tDhg[None, None, None, iv], tDhs[None, None, None, st])
+                cute.copy(cp_io, tDvg[None, None, None, iv], tDvs[None, None, None, st])
+                cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, st])
+
+            # prologue: group 0 = Akk + tile 0, group 1 = tile 1, then q, k, gk (epilogue only)
+            groups = []
+            cute.copy(cp_io, tio.partition_S(gA), tio.partition_D(sA))
+            load_tile(0, 0)
+            cute.arch.cp_async_commit_group()
+            groups.append(0)
+            if cutlass.const_expr(NV > 1):
+                load_tile(1, 1)
+                cute.arch.cp_async_commit_group()
+                groups.append(1)
+            cute.copy(cp_io, tio.partition_S(gQ), tio.partition_D(sQ))
+            cute.copy(cp_io, tio.partition_S(gK), tio.partition_D(sK))
+            cute.copy(cp_f32, tf.partition_S(gG), tf.partition_D(sG))
+            cute.arch.cp_async_commit_group()
+            groups.append("qkg")
+            if tidx < BT:
+                sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
+
+            # ---------------- the tiled mma and its fragments
+            tiled_mma = cute.make_tiled_mma(
+                warp.MmaF16BF16Op(io, f32, (16, 8, 16)), (4, 4, 1), permutation_mnk=(64, 64, 16)
+            )
+            thr = tiled_mma.get_slice(tidx)
+            ld_n = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), io)
+            ld_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), io)
+            # ldmatrix copies of the mma operands (n: K-contiguous smem, t: M / N-contiguous)
+            tcAn = cute.make_tiled_copy_A(ld_n, tiled_mma)
+            tcAt = cute.make_tiled_copy_A(ld_t, tiled_mma)
+            tcBn = cute.make_tiled_copy_B(ld_n, tiled_mma)
+            tcBt = cute.make_tiled_copy_B(ld_t, tiled_mma)
+            cpAn, cpAt, cpBn, cpBt = (c.get_slice(tidx) for c in (tcAn, tcAt, tcBn, tcBt))
+            # C-fragment copies: fp32 column pairs (8 bytes), io pairs (4 bytes)
+            uni = cute.nvgpu.CopyUniversalOp()
+            st_c = cute.make_tiled_copy_C(cute.make_copy_atom(uni, f32, num_bits_per_copy=64), tiled_mma)
+            tsc = st_c.get_slice(tidx)
+            st_c16 = cute.make_tiled_copy_C(cute.make_copy_atom(uni, io, num_bits_per_copy=32), tiled_mma)
+            tsc16 = st_c16.get_slice(tidx)
+            tOsC = tsc16.partition_D(sO)
+            # sum_v h dh: thread (key row hk, 16 of the tile's 64 columns), 16-byte smem reads
+            ld_hd = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io, num_bits_per_copy=128),
+                cute.make_layout((K, 4), stride=(4, 1)),
+                cute.make_layout((1, 8)),
+            )
+            thd = ld_hd.get_slice(tidx)
+
+            # register fragments (one stage's views; each stage's smem partition below)
+            rDo = thr.make_fragment_A(thr.partition_A(sDo[None, None, 0]))
+            rVn = thr.make_fragment_A(thr.partition_A(sVn[None, None, 0]))
+            rDv = thr.make_fragment_A(thr.partition_A(sDv[None, None, 0]))
+            rAT = thr.make_fragment_A(thr.partition_A(sAT))
+            rH = thr.make_fragment_B(thr.partition_B(sH[None, None, 0]))
+            rDh = thr.make_fragment_B(thr.partition_B(sDh[None, None, 0]))
+            rV = thr.make_fragment_B(thr.partition_B(sV[None, None, 0]))
+            rDvT = thr.make_fragment_B(thr.partition_B(cute.composition(sDv[None, None, 0], tr64)))
+            vDo, vVn, vDv = cpAn.retile(rDo), cpAn.retile(rVn), cpAn.retile(rDv)
+            vAT = cpAt.retile(rAT)
+            vH, vDh, vV = cpBn.retile(rH), cpBn.retile(rDh), cpBn.retile(rV)
+            vDvT = cpBt.retile(rDvT)
+
+            acc_q = cute.make_rmem_tensor(thr.partition_shape_C((BT, K)), f32)
+            acc_k = cute.make_rmem_tensor(thr.partition_shape_C((BT, K)), f32)
+            acc_w = cute.make_rmem_tensor(thr.partition_shape_C((BT, K)), f32)
+            acc_a = cute.make_rmem_tensor(thr.partition_shape_C((BT, BT)), f32)
+            acc_q.fill(0.0)
+            acc_k.fill(0.0)
+            acc_w.fill(0.0)
+            acc_a.fill(0.0)
+            cC64 = thr.partition_C(cute.make_identity_tensor((BT, BT)))
+            cCk = thr.partition_C(cute.make_identity_tensor((BT, K)))
+            mn64 = _mn_view(cC64)
+            db_row = cute.make_rmem_tensor(cute.make_layout(cute.size(mn64, mode=[0])), f32)
+            db_row.fill(0.0)
+
+            # sum_v h dh per key column: thread (column hk = tidx / 4, 16 values of the tile's 64)
+            hk = tidx // 4
+            hq = tidx % 4
+            hd = f32(0.0)
+
+            pA_T = cpAt.partition_S(sAT)
+            for iv in cutlass.range_constexpr(NV):
+                st = iv % STAGES
+                pos = groups.index(iv)
+                cute.arch.cp_async_wait_group(len(groups) - 1 - pos)
+                cute.arch.sync_threads()
+                pDo = cpAn.partition_S(sDo[None, None, st])
+                pVn = cpAn.partition_S(sVn[None, None, st])
+                pDv = cpAn.partition_S(sDv[None, None, st])
+                pH = cpBn.partition_S(sH[None, None, st])
+                pDh = cpBn.partition_S(sDh[None, None, st])
+                pV = cpBn.partition_S(sV[None, None, st])
+                pDvT = cpBt.partition_S(cute.composition(sDv[None, None, st], tr64))
+                for kb in cutlass.range_constexpr(BV // 16):
+                    cute.copy(tcAn, pDo[None, None, kb], vDo[None, None, kb])
+                    cute.copy(tcBn, pH[None, None, kb], vH[None, None, kb])
+                    cute.gemm(tiled_mma, acc_q, rDo[None, None, kb], rH[None, None, kb], acc_q)
+                    cute.copy(tcAn, pDv[None, None, kb], vDv[None, None, kb])
+                    cute.gemm(tiled_mma, acc_w, rDv[None, None, kb], rH[None, None, kb], acc_w)
+                    cute.copy(tcBn, pV[None, None, kb], vV[None, None, kb])
+                    cute.gemm(tiled_mma, acc_a, rDv[None, None, kb], rV[None, None, kb], acc_a)
+                    cute.copy(tcAn, pVn[None, None, kb], vVn[None, None, kb])
+                    cute.copy(tcBn, pDh[None, None, kb], vDh[None, None, kb])
+                    cute.gemm(tiled_mma, acc_k, rVn[None, None, kb], rDh[None, None, kb], acc_k)
+                # dvb = A^T dv (64 x 64 of this tile): dv2 = dvb beta, db += sum_v dvb v
+                acc_v = cute.make_rmem_tensor(thr.partition_shape_C((BT, BV)), f32)
+                acc_v.fill(0.0)
+                for kb in cutlass.range_constexpr(BT // 16):
+                    cute.copy(tcAt, pA_T[None, None, kb], vAT[None, None, kb])
+                    cute.copy(tcBt, pDvT[None, None, kb], vDvT[None, None, kb])
+                    cute.gemm(tiled_mma, acc_v, rAT[None, None, kb], rDvT[None, None, kb], acc_v)
+                av = _mn_view(acc_v)
+                sVst = sV[None, None, st]
+                for r in cutlass.range_constexpr(cute.size(av, mode=[0])):
+                    i = mn64[r, 0][0]
+                    br = sBeta[i]
+                    s = f32(0.0)
+                    for c in cutlass.range_constexpr(cute.size(av, mode=[1])):
+                        j = mn64[r, c][1]
+                        x = av[r, c]
+                        s = s + x * f32(sVst[i, j])
+                        av[r, c] = x * br
+                    db_row[r] = db_row[r] + s
+                # dv2 = dvb beta: to the staging tile (bf16 pairs), out after the barrier below
+                rO = cute.make_fragment_like(acc_v, io)
+                rO.store(acc_v.load().to(io))
+                cute.copy(st_c16, tsc16.retile(rO), tOsC)
+                # h . dh over this tile's 16 columns of key row hk
+                rh = cute.make_fragment_like(thd.partition_S(sH[None, None, st]))
+                rdh = cute.make_fragment_like(rh)
+                cute.copy(ld_hd, thd.partition_S(sH[None, None, st]), rh)
+                cute.copy(ld_hd, thd.partition_S(sDh[None, None, st]), rdh)
+                prod = rh.load().to(f32) * rdh.load().to(f32)
+                hd = hd + prod.reduce(cute.ReductionOp.ADD, f32(0.0), 0)
+                cute.arch.sync_threads()  # every warp is done with stage st and wrote sO
+                if cutlass.const_expr(iv + STAGES < NV):
+                    load_tile(iv + STAGES, st)
+                    cute.arch.cp_async_commit_group()
+                    groups.append(iv + STAGES)
+                cute.copy(st_io, tOs, rOst)
+                cute.copy(st_io, rOst, tOg[None, None, None, iv])
+
+            # ---------------- epilogue
+            cute.arch.cp_async_wait_group(0)
+            hd = hd + cute.arch.shuffle_sync_bfly(hd, offset=1)
+            hd = hd + cute.arch.shuffle_sync_bfly(hd, offset=2)
+            if hq == 0:
+                sHd[hk] = hd
+            cute.arch.sync_threads()  # q, k, gk, sHd visible; the ring is free
+
+            mc = _mn_view(cCk)
+            NR = cute.size(mc, mode=[0])
+            NC = cute.size(mc, mode=[1])
+            scale = self.scale
+
+            def frag_f32(src):  # a (BT, K) fp32 smem view at this thread's C positions (pairs)
+                r = cute.make_fragment_like(acc_q)
+                cute.copy(st_c, tsc.partition_S(src), tsc.retile(r))
+                return r
+
+            def frag_io(src):  # the same of a 16-bit tile (bf16 pairs as 32-bit loads)
+                r = cute.make_fragment_like(acc_q, io)
+                cute.copy(st_c16, tsc16.partition_S(src), tsc16.retile(r))
+                return r
+
+            def to_smem_io(x, dst):  # fp32 TensorSSA at the C positions -> io dtype smem (pairs)
+                r = cute.make_fragment_like(acc_q, io)
+                r.store(x.to(io))
+                cute.copy(st_c16, tsc16.retile(r), tsc16.partition_D(dst))
+
+            sGn = cute.make_tensor(sG.iterator + (BT - 1) * GS, cute.make_layout((BT, K), stride=(0, 1)))
+            to_smem_io(-acc_w.load(), sDW)  # dw = -bf16(dv h^T)
+            gv = frag_f32(sG).load()
+            e = _exp2(gv)
+            kf = frag_io(sK).load().to(f32)
+            to_smem_io(kf * e, sKG)  # bf16(k E)
+            dq = acc_q.load() * e * scale
+            acc_q.store(dq)
+            cute.copy(st_c, tsc.retile(acc_q), tsc.partition_D(gDq))
+            dkp = acc_k.load() * _exp2(frag_f32(sGn).load() - gv)
+            acc_k.store(dkp)
+            kdk = kf * dkp
+            acc_w.store(kdk)
+            acc_q.store(frag_io(sQ).load().to(f32) * dq - kdk)  # dg's first two terms
+            # column sums of k dk' over the chunk: own rows, the warp's 8 row groups, the 4 row warps
+            mw = _mn_view(acc_w)
+            for c in cutlass.range_constexpr(NC):
+                v = mw[0, c]
+                for r in cutlass.range_constexpr(1, NR):
+                    v = v + mw[r, c]
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=4)
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=8)
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=16)
+                if lane < 4:
+                    sCol[wm, mc[0, c][1]] = v
+            cute.arch.sync_threads()
+
+            # dA += dw (kE)^T over K; dkb = A^T dw
+            pDW = cpAn.partition_S(sDW)
+            rDW = thr.make_fragment_A(thr.partition_A(sDW))
+            vDW = cpAn.retile(rDW)
+            pKG = cpBn.partition_S(sKG)
+            rKG = thr.make_fragment_B(thr.partition_B(sKG))
+            vKG = cpBn.retile(rKG)
+            for kb in cutlass.range_constexpr(K // 16):
+                cute.copy(tcAn, pDW[None, None, kb], vDW[None, None, kb])
+                cute.copy(tcBn, pKG[None, None, kb], vKG[None, None, kb])
+                cute.gemm(tiled_mma, acc_a, rDW[None, None, kb], rKG[None, None, kb], acc_a)
+            acc_b = acc_w  # dw's registers are free (dw is in smem)
+            acc_b.fill(0.0)
+            pDWT = cpBt.partition_S(sDWT)
+            rDWT = thr.make_fragment_B(thr.partition_B(sDWT))
+            vDWT = cpBt.retile(rDWT)
+            for kb in cutlass.range_constexpr(BT // 16):
+                cute.copy(tcAt, pA_T[None, None, kb], vAT[None, None, kb])
+                cute.copy(tcBt, pDWT[None, None, kb], vDWT[None, None, kb])
+                cute.gemm(tiled_mma, acc_b, rAT[None, None, kb], rDWT[None, None, kb], acc_b)
+
+            gv = frag_f32(sG).load()
+            e = _exp2(gv)
+            kE = frag_io(sK).load().to(f32) * e
+            rb = cute.make_fragment_like(acc_q)
+            mrb = _mn_view(rb)
+            for r in cutlass.range_constexpr(NR):
+                br = sBeta[mc[r, 0][0]]
+                for c in cutlass.range_constexpr(NC):
+                    mrb[r, c] = br
+            bv = rb.load()
+            dkb = acc_b.load()
+            acc_k.store(acc_k.load() + dkb * (e * bv))
+            cute.copy(st_c, tsc.retile(acc_k), tsc.partition_D(gDk))
+            acc_q.store(acc_q.load() + kE * dkb * bv)
+            acc_b.store(dkb * kE)
+            mq = _mn_view(acc_q)
+            mb = _mn_view(acc_b)
+            for r in cutlass.range_constexpr(NR):
+                t = mc[r, 0][0]
+                s = mb[r, 0]
+                for c in cutlass.range_constexpr(1, NC):
+                    s = s + mb[r, c]
+                db_row[r] = db_row[r] + s
+                if t == BT - 1:  # the chunk's last row: the gate-gradient carry
+                    for c in cutlass.range_constexpr(NC):
+                        kk = mc[r, c][1]
+                        gn = sG[BT - 1, kk]
+                        mq[r, c] = (mq[r, c] + sHd[kk] * _exp2(gn) + sCol[0, kk] + sCol[1, kk] + sCol[2, kk]
+                                    + sCol[3, kk])
+            cute.copy(st_c, tsc.retile(acc_q), tsc.partition_D(gDg))
+            # db: the quad's 4 lanes, then the 4 column warps through smem
+            for r in cutlass.range_constexpr(NR):
+                v = db_row[r]
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
+                if lane % 4 == 0:
+                    sDbp[mc[r, 0][0], wn] = v
+
+            # dAkk: dA masked (i > j) x beta_j -> io; X = dA A^T; Y = A^T X; -Y strictly lower
+            ma = _mn_view(acc_a)
+            for r in cutlass.range_constexpr(cute.size(ma, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(ma, mode=[1])):
+                    i, j = mn64[r, c]
+                    x = f32(0.0)
+                    if i > j:
+                        x = ma[r, c] * sBeta[j]
+                    ma[r, c] = x
+            r16 = cute.make_fragment_like(acc_a, io)
+            r16.store(acc_a.load().to(io))
+            cute.copy(st_c16, tsc16.retile(r16), tsc16.partition_D(sDAm))
+            cute.arch.sync_threads()
+            if tidx < BT:
+                mDb[b, row0 + tidx, hv] = sDbp[tidx, 0] + sDbp[tidx, 1] + sDbp[tidx, 2] + sDbp[tidx, 3]
+            acc_a.fill(0.0)
+            pDAm = cpAn.partition_S(sDAm)
+            rDAm = thr.make_fragment_A(thr.partition_A(sDAm))
+            vDAm = cpAn.retile(rDAm)
+            pAn = cpBn.partition_S(sA)
+            rAn = thr.make_fragment_B(thr.partition_B(sA))
+            vAn = cpBn.retile(rAn)
+            for kb in cutlass.range_constexpr(BT // 16):
+                cute.copy(tcAn, pDAm[None, None, kb], vDAm[None, None, kb])
+                cute.copy(tcBn, pAn[None, None, kb], vAn[None, None, kb])
+                cute.gemm(tiled_mma, acc_a, rDAm[None, None, kb], rAn[None, None, kb], acc_a)
+            r16.store(acc_a.load().to(io))
+            cute.copy(st_c16, tsc16.retile(r16), tsc16.partition_D(sX))
+            cute.arch.sync_threads()
+            acc_a.fill(0.0)
+            pXT = cpBt.partition_S(sXT)
+            rXT = thr.make_fragment_B(thr.partition_B(sXT))
+            vXT = cpBt.retile(rXT)
+            for kb in cutlass.range_constexpr(BT // 16):
+                cute.copy(tcAt, pA_T[None, None, kb], vAT[None, None, kb])
+                cute.copy(tcBt, pXT[None, None, kb], vXT[None, None, kb])
+                cute.gemm(tiled_mma, acc_a, rAT[None, None, kb], rXT[None, None, kb], acc_a)
+            for r in cutlass.range_constexpr(cute.size(ma, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(ma, mode=[1])):
+                    i, j = mn64[r, c]
+                    y = f32(0.0)
+                    if i > j:
+                        y = -ma[r, c]
+                    ma[r, c] = y
+            cute.copy(st_c, tsc.retile(acc_a), tsc.partition_D(gDA))
+
+    return _Kernel
+
+
+_KERNEL_CLASS = None
+
+
+def _kernel_class():
+    global _KERNEL_CLASS
+    if _KERNEL_CLASS is None:
+        _KERNEL_CLASS = _build_kernel_class()
+    return _KERNEL_CLASS
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
+
+
+# ----------------------------------------------------------------------------------- host side
+_IO = (torch.bfloat16, torch.float16)
+_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_NAMES = ("q", "k", "v", "v_new", "gk", "beta", "Akk", "h", "do", "dh", "dv")
+
+
+def _hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv) -> str | None:
+    """Why the kernel cannot compute this call at all (shape, dtype, layout), or None."""
+    if q.dim() != 4 or k.shape != q.shape:
+        return f"q/k must be [B,T,H,K] of one shape; got {tuple(q.shape)} / {tuple(k.shape)}"
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        return f"v must be [B,T,HV,V]; got {tuple(v.shape)}"
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        return f"HV={HV} not a multiple of H={H}"
+    if K not in SUPPORTED_K:
+        return f"K={K} (kernel built for K in {SUPPORTED_K})"
+    if V % BV:
+        return f"V={V} not a multiple of {BV}"
+    if T % BT:
+        return f"T={T} not a multiple of the chunk {BT} (ragged last chunk not implemented)"
+    NT = T // BT
+    for name, t in (("v_new", v_new), ("do", do), ("dv", dv)):
+        if t.shape != v.shape:
+            return f"{name} must be [B,T,HV,V] = {tuple(v.shape)}; got {tuple(t.shape)}"
+    if gk.shape != (B, T, HV, K):
+        return f"gk must be [B,T,HV,K]; got {tuple(gk.shape)}"
+    if Akk.shape != (B, T, HV, BT):
+        return f"Akk must be [B,T,HV,{BT}] (chunk {BT}); got {tuple(Akk.shape)}"
+    for name, t in (("h", h), ("dh", dh)):
+        if t.shape != (B, NT, HV, K, V):
+            return f"{name} must be [B,NT,HV,K,V] = {(B, NT, HV, K, V)}; got {tuple(t.shape)}"
+    if beta.shape != (B, T, HV):
+        return f"beta must be [B,T,HV]; got {tuple(beta.shape)}"
+    if q.dtype not in _IO:
+        return f"q dtype {q.dtype} (bf16 or fp16 expected)"
+    for name, t in (("k", k), ("v", v), ("v_new", v_new), ("Akk", Akk), ("h", h), ("do", do),
+                    ("dh", dh), ("dv", dv)):
+        if t.dtype != q.dtype:
+            return f"{name} dtype {t.dtype} != q's {q.dtype}"
+    if gk.dtype != torch.float32:
+        return f"gk must be float32; got {gk.dtype}"
+    if beta.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"beta dtype {beta.dtype} (bf16 / fp16 / fp32 expected)"
+    args = (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
+    for name, t in zip(_NAMES, args, strict=True):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    if len({t.device for t in args}) != 1:
+        return "tensors on different devices"
+    return device_reason(q)
+
+
+def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale) -> str | None:
+    """None when `bwd_wy_dqkg` runs the CuTe kernel on these arguments, else the reason it would not."""
+    return _hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
+
+
+@dataclass(frozen=True)
+class WyDqkgConfig:
+    """Everything the compiled kernel depends on: the call cache's compile key. H and HV are
+    static extents of the views (row strides become immediates); B and T are dynamic."""
+
+    io_dtype: str  # "bf16" / "fp16"
+    beta_dtype: str  # "bf16" / "fp16" / "fp32"
+    K: int
+    V: int
+    H: int
+    HV: int
+    scale: float
+    arch: str
+
+
+def _config(q, v, beta, scale) -> WyDqkgConfig:
+    return WyDqkgConfig(_DT[q.dtype], _DT[beta.dtype], q.shape[3], v.shape[3], q.shape[2], v.shape[2],
+                        float(scale), compile_arch())
+
+
+def _outputs(q, v, device):
+    B, T, HV, V = v.shape
+    K = q.shape[3]
+    return (
+        alloc((B, T, HV, K), torch.float32, device),  # dq
+        alloc((B, T, HV, K), torch.float32, device),  # dk
+        alloc((B, T, HV, V), v.dtype, device),  # dv2
+        alloc((B, T, HV), torch.float32, device),  # db
+        alloc((B, T, HV, K), torch.float32, device),  # dg
+        alloc((B, T, HV, BT), torch.float32, device),  # dAkk
+    )
+
+
+# kernel argument order: the eleven inputs, then dq, dk, dv2, db, dg, dAkk (the contract returns
+# dq, dk, dv, db, dg, dAkk: the same order)
+def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
+    import cutlass.cute as cute
+
+    kern = _kernel_class()(
+        _cutlass_dtype(cfg.io_dtype), _cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale
+    )
+    return cute.compile(kern, *views, stream, options=options)
+
+
+def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, keep_ptx=False):
+    """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
+    import cuda.bindings.driver as cuda
+
+    from ._common.cache import cute_view
+
+    outs = _outputs(q, v, device=q.device)
+    args = (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, *outs)
+    views = [cute_view(t, (0, 1)) for t in args]
+    return _build(views, cuda.CUstream(0), _config(q, v, beta, scale), "--keep-ptx" if keep_ptx else "")
+
+
+def bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale):
+    """fla's chunk_kda_bwd_wy_dqkg_fused (chunk 64) -> (dq, dk, dv2, db, dg, dAkk), fresh outputs."""
+    reason = _hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
+    if reason is not None:
+        raise ValueError(f"kda_cute.wy_dqkg.bwd_wy_dqkg: unsupported call: {reason}")
+    return launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale)
+
+
+def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale):
+    """`bwd_wy_dqkg` without its checks: for a caller whose `is_supported` just said None (the
+    chain's gate), so a host-bound step does not pay for them twice."""
+    outs = _outputs(q, v, q.device)
+    args = (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, *outs)
+    cfg = _config(q, v, beta, scale)
+    _cache.launch(cfg, args, ((0, 1),) * len(args),
+                  lambda views, stream, opts: _build(views, stream, cfg, opts))
+    return outs

@@ -1,0 +1,188 @@
+"""kda_cute_wy_dqkg compiles for sm_90a without a GPU, its PTX computes the contract, and
+is_supported gives reasons (CPU, CI).
+
+The compiled PTX runs on CPU in ptxsim (tools/ptxsim: `ptxsim.kda_wy.emulate_wy_dqkg`, 512
+threads per CTA, mma.sync / ldmatrix / cp.async from `ptxsim.ext_wy`) and every output is checked
+against the float64 reference (`kda_cute.reference.bwd_wy_dqkg`). The yardstick for the error is
+fla's own: `_fla_casts` is fla's kernel in torch (its operand roundings to the io dtype before
+each tl.dot, fp32 accumulation), and the kernel must stay within 2x of that error for every
+output (it rounds at the same points, so the ratio is ~1)."""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+W = pytest.importorskip("kda_cute.wy_dqkg")
+ref = pytest.importorskip("kda_cute.reference")
+from ptxsim.kda import ptx_text  # noqa: E402
+from ptxsim.kda_wy import emulate_wy_dqkg, wy_inputs  # noqa: E402
+
+NAMES = ("dq", "dk", "dv2", "db", "dg", "dAkk")
+SCALE = 128**-0.5
+
+
+def _ptx(compiled):
+    text = ptx_text(compiled)
+    if not text:
+        pytest.skip("this DSL build keeps no PTX on the compiled object")
+    return text
+
+
+def _fla_casts(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale):
+    """fla 0.6.0's chunk_kda_bwd_kernel_wy_dqkg_fused in torch, float32 with its roundings: every
+    tl.dot takes io-dtype operands (bf16(dw), bf16(k E), bf16 of the masked dA and of dA A^T), the
+    rest in fp32. T % 64 == 0. Returns the contract's six outputs."""
+    io = q.dtype
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    NT = T // 64
+
+    def ch(x):  # [B, T, HV, X] -> [B, NT, HV, 64, X] float32
+        return x.float().view(B, NT, 64, x.shape[2], -1).transpose(2, 3)
+
+    def un(x):
+        return x.transpose(2, 3).reshape(B, T, HV, -1)
+
+    def rd(x):  # round to the io dtype
+        return x.to(io).float()
+
+    qc, kc = (ch(x.repeat_interleave(HV // H, dim=2)) for x in (q, k))
+    vc, vnc, doc, dvc, gc, Ac = ch(v), ch(v_new), ch(do), ch(dv), ch(gk), ch(Akk)
+    bc = ch(beta.unsqueeze(-1).float())
+    hc, dhc = h.float(), dh.float()  # [B, NT, HV, K, V]
+    gn = gc[..., -1:, :]
+    E = torch.exp2(gc)
+    AT = Ac.transpose(-1, -2)
+    dq = (doc @ hc.transpose(-1, -2)) * E * scale
+    dkp = (vnc @ dhc.transpose(-1, -2)) * torch.exp2(gn - gc)
+    dw = -rd(dvc @ hc.transpose(-1, -2))
+    kg = kc * E
+    dA = dvc @ vc.transpose(-1, -2) + dw @ rd(kg).transpose(-1, -2)
+    dvb = AT @ dvc
+    dkb = AT @ dw
+    db = (dvb * vc).sum(-1) + (dkb * kg).sum(-1)
+    dgk = rd(hc * dhc).sum(-1) * torch.exp2(gn[..., 0, :]) + (kc * dkp).sum(-2)
+    last = torch.zeros(64, 1)
+    last[-1] = 1.0
+    dg = qc * dq - kc * dkp + last * dgk.unsqueeze(-2) + kg * dkb * bc
+    dk = dkp + dkb * E * bc
+    strict = torch.tril(torch.ones(64, 64), -1)
+    m = rd(dA * strict * bc.transpose(-1, -2))
+    dAkk = -(AT @ rd(m @ AT)) * strict
+    return (un(dq), un(dk), un(dvb * bc).to(v.dtype), un(db.unsqueeze(-1))[..., 0], un(dg), un(dAkk))
+
+
+def _check(got, args, scale, rows=None):
+    """Every output finite (the poison overwritten) and within 2x of fla's error vs float64 (on the
+    chunks `rows` = [(b, t0, hv)] only, when given)."""
+    want = ref.bwd_wy_dqkg(*[t.double() for t in args], scale)
+    fla = _fla_casts(*args, scale)
+
+    def sel(x):
+        if rows is None:
+            return x
+        return torch.stack([x[b, t0:t0 + 64, hv] for b, t0, hv in rows])
+
+    errs = {}
+    for name, x, w, f in zip(NAMES, got, want, fla, strict=True):
+        x, w, f = sel(x), sel(w), sel(f)
+        assert torch.isfinite(x).all(), f"{name}: unwritten (NaN) entries"
+        e, ef = ref.rel_err(x, w), ref.rel_err(f, w)
+        errs[name] = (e, ef)
+        assert e <= 2.0 * ef + 1e-6, (name, e, ef)
+    return errs
+
+
+@pytest.fixture(autouse=True)
+def _sm90a(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+
+
+def test_compiles_for_sm90a_and_the_ptx_computes_the_contract():
+    """bf16, V = 256 (four V tiles: the 2-stage ring refilled twice), one CTA: the PTX (bf16
+    mma.sync, ldmatrix, cp.async; no local-memory arrays) run by the interpreter matches float64
+    within 2x of fla's error on every output."""
+    a = wy_inputs(B=1, T=64, H=1, HV=1, V=256, seed=0)
+    text = _ptx(W.compile_for(*a, SCALE, keep_ptx=True))
+    assert ".entry" in text and "kda_cute_wy_dqkg" in text.split(".entry", 1)[1].split("(", 1)[0]
+    assert "sm_90a" in text
+    body = text.split(".entry", 1)[1]
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in body
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in body
+    assert "cp.async.cg.shared.global" in body
+    assert ".local" not in body, "register arrays fell to local memory"
+    _check(emulate_wy_dqkg(text, a), a, SCALE)
+
+
+def test_gva_batch_and_chunk_indexing():
+    """B2 T128 H1 HV2 V64 with bf16 beta: the CTA of the second chunk, second value head, second
+    batch (q / k read at head hv // 2, h / dh at chunk 1) and the first CTA, against float64."""
+    a = wy_inputs(B=2, T=128, H=1, HV=2, V=64, seed=1)
+    text = _ptx(W.compile_for(*a, SCALE, keep_ptx=True))
+    got = emulate_wy_dqkg(text, a, ctas=[(1, 1, 1), (0, 0, 0)])
+    _check(got, a, SCALE, rows=[(1, 64, 1), (0, 0, 0)])
+
+
+def test_fp16_fp32_beta_strong_gate():
+    """fp16 operands, fp32 beta, gates near -2 per step (exp2 arguments stay <= 0), V = 64."""
+    a = wy_inputs(B=1, T=64, H=1, HV=1, V=64, dtype=torch.float16, beta_dtype=torch.float32, gmin=-2.0,
+                  seed=2)
+    text = _ptx(W.compile_for(*a, 0.25, keep_ptx=True))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text
+    _check(emulate_wy_dqkg(text, a), a, 0.25)
+
+
+def test_fla_cast_model_is_the_contract():
+    """The yardstick itself: in float64 the fla-cast model equals the reference (so its float32
+    error is rounding only), and in float32 its error sits at the bf16 level."""
+    a = wy_inputs(B=1, T=128, H=1, HV=2, V=128, seed=3)
+    want = ref.bwd_wy_dqkg(*[t.double() for t in a], SCALE)
+    errs = _check(_fla_casts(*a, SCALE), a, SCALE)
+    for name, (e, _) in errs.items():
+        assert e < 2**-6, (name, e)
+    assert all(torch.isfinite(w).all() for w in want)
+
+
+def _small(**kw):
+    return wy_inputs(B=1, T=64, H=1, HV=2, V=64, **kw)
+
+
+def test_is_supported_reasons_on_cpu():
+    a = _small()
+    assert "CUDA" in W.is_supported(*a, SCALE)  # no GPU here (or tensors on CPU)
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda: wy_inputs(K=64), "K=64"),
+        (lambda: wy_inputs(T=96), "multiple of the chunk"),
+        (lambda: wy_inputs(H=2, HV=3), "HV=3"),
+        (lambda: wy_inputs(V=96), "V=96"),
+        (lambda: wy_inputs(dtype=torch.float32), "bf16 or fp16"),
+    ],
+)
+def test_unsupported_shapes(make, needle):
+    a = make()
+    r = W.is_supported(*a, SCALE)
+    assert r is not None and needle in r, r
+    with pytest.raises(ValueError, match="unsupported call"):
+        W.bwd_wy_dqkg(*a, SCALE)
+
+
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda a: a.__setitem__(7, a[7].float()), "dtype"),
+        (lambda a: a.__setitem__(4, a[4].bfloat16()), "float32"),
+        (lambda a: a.__setitem__(5, a[5].double()), "beta dtype"),
+        (lambda a: a.__setitem__(6, a[6][..., :32].contiguous()), "chunk"),
+        (lambda a: a.__setitem__(10, a[10].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+        (lambda a: a.__setitem__(9, a[9][:, :, :, :64].contiguous()), "dh must be"),
+    ],
+)
+def test_is_supported_rejects(mutate, needle):
+    a = _small()
+    mutate(a)
+    r = W.is_supported(*a, SCALE)
+    assert r is not None and needle in r, r

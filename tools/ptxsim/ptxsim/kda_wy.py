@@ -1,0 +1,71 @@
+"""The launch harness of kda_cute_wy_dqkg (kda_cute.wy_dqkg) for the interpreter, and its inputs.
+
+`emulate_wy_dqkg(text, args)` runs the kernel's PTX `text` on every CTA of its grid (T / 64, HV,
+B), 512 threads each, through `ext_wy.WyCTA` (mma.sync m16n8k16, ldmatrix, cp.async), over one
+emulated global memory holding the eleven inputs and the six outputs, NaN-poisoned first; it
+returns dq, dk, dv2, db, dg, dAkk read back. Each tensor parameter is the DSL's 24-byte slot:
+data pointer, the dynamic (B, T) (or (B, NT) for h / dh) as two int32, the batch stride.
+`wy_inputs(...)` makes random inputs of the contract's shapes and dtypes (never zeros: gates a
+chunk-local log2 cumsum of negative steps, Akk unit lower triangular plus noise as the WY
+inverse is, beta in (0, 1)). kda_cute is imported inside the functions only.
+"""
+
+import torch
+
+from .ext_wy import WyCTA, wy_program
+from .memory import global_memory, readback
+
+THREADS = 512
+
+
+def emulate_wy_dqkg(text, args, ctas=None):
+    """Run kda_cute_wy_dqkg's PTX on CPU for `args` = (q, k, v, v_new, gk, beta, Akk, h, do, dh,
+    dv): returns (dq, dk, dv2, db, dg, dAkk). `ctas`: the (chunk, hv, b) CTAs to run (default
+    every one of the grid); the other chunks' outputs stay NaN."""
+    from kda_cute import wy_dqkg
+
+    q, v = args[0], args[2]
+    B, T, HV, _ = v.shape
+    prog = wy_program(text)
+    outs = wy_dqkg._outputs(q, v, "cpu")
+    for t in outs:
+        t.fill_(float("nan"))
+    tensors = [*args, *outs]
+    assert len(prog.params) == len(tensors), (len(prog.params), len(tensors))
+    gmem, bases = global_memory(tensors)
+    params = {}
+    for (name, _size), t, base in zip(prog.params, tensors, bases, strict=True):
+        params[(name, 0)] = base
+        params[(name, 8)] = (t.shape[1] << 32) | t.shape[0]
+        params[(name, 16)] = t.stride(0)
+    if ctas is None:
+        ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
+    for cta in ctas:
+        WyCTA(prog, gmem, params, cta, ntid=THREADS).run()
+    return [readback(gmem, t, base) for t, base in zip(outs, bases[len(args):], strict=True)]
+
+
+def wy_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtype=None, gmin=-0.3, seed=0):
+    """The eleven tensor arguments of bwd_wy_dqkg (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
+    at these extents, random and nonzero; gk a chunk-local cumsum of steps in (gmin, 0), log2."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s, sc=1.0):
+        return torch.randn(*s, generator=g) * sc
+
+    NT = (T + 63) // 64
+    q = r(B, T, H, K, sc=K**-0.5 * 4).to(dtype)
+    k = r(B, T, H, K, sc=K**-0.5 * 4).to(dtype)
+    v = r(B, T, HV, V).to(dtype)
+    v_new = r(B, T, HV, V).to(dtype)
+    step = gmin * torch.rand(B, T, HV, K, generator=g)
+    gk = torch.cat([c.cumsum(1) for c in step.split(64, dim=1)], 1) / 0.6931471805599453
+    beta = torch.rand(B, T, HV, generator=g).to(beta_dtype or dtype)
+    tri = torch.tril(torch.ones(64, 64), -1)
+    A = torch.eye(64) + r(B, NT, HV, 64, 64, sc=0.2) * tri
+    Akk = A.permute(0, 1, 3, 2, 4).reshape(B, NT * 64, HV, 64)[:, :T].contiguous().to(dtype)
+    h = r(B, NT, HV, K, V, sc=0.3).to(dtype)
+    dh = r(B, NT, HV, K, V, sc=0.3).to(dtype)
+    do = r(B, T, HV, V).to(dtype)
+    dv = r(B, T, HV, V).to(dtype)
+    return [q, k, v, v_new, gk.contiguous(), beta, Akk, h, do, dh, dv]
