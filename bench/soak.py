@@ -32,12 +32,10 @@ from kda_chain import chunk_kda, dispatch_log
 
 
 def _caches():
-    import kda_cute.b1 as b1
-    import kda_cute.dhu as dhu
-    import kda_cute.fwd as fwd
-    import kda_cute.intra as intra
+    """Every CuTe stage's call cache (kda_cute.registry), by stage."""
+    from kda_cute import registry
 
-    return {m.__name__.rsplit(".", 1)[1]: m._cache for m in (fwd, b1, dhu, intra)}
+    return {rec.name: rec.load()._cache for rec in registry.STAGES}
 
 
 def inputs(B, T, H, HV, seed, K=128, V=128):
