@@ -20,18 +20,8 @@ import time
 
 import kda_cute.b1 as b1
 import torch
+from check_launch import host_us  # bench/ (this script's directory)
 from cuda_clock import median_ms
-
-
-def host_us(fn, n: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
 
 
 def tvm_ffi_b1(kg, w, u, gk):

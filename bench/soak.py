@@ -1,8 +1,8 @@
 """Soak: many fwd+bwd calls of chunk_kda with fresh tensors whose shape changes every call (GPU).
 
 Per call: B in {1, 2}, T drawn from 64..8192 (ragged included), (H, HV) in {(16, 16), (8, 16)},
-K = V = 128, bf16, gate + l2norm + beta sigmoid in the op, h0 and ht. Checks, and prints every
---every calls (a progress line with the figures):
+K = V = 128, bf16, the witness CLI's inputs and flags (gate + l2norm in the op, h0 and ht).
+Checks, and prints every --every calls (a progress line with the figures):
 
   - every output and gradient finite;
   - a (B, T, heads) seen before, with the same seed, gives the result of its first call
@@ -38,42 +38,15 @@ def _caches():
     return {rec.name: rec.load()._cache for rec in registry.STAGES}
 
 
-def inputs(B, T, H, HV, seed, K=128, V=128):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def step(B, T, H, HV, seed):
+    """One fwd+bwd on fresh random inputs, the witness CLI's (kda_chain.witness: gate, l2norm, h0,
+    ht; K = V = 128 bf16): o, ht and every gradient."""
+    from kda_chain import witness
 
-    def r(*s, dt=torch.bfloat16, scale=1.0):
-        return (torch.randn(s, generator=g, device="cuda") * scale).to(dt).requires_grad_(True)
-
-    return dict(
-        q=r(B, T, H, K),
-        k=r(B, T, H, K),
-        v=r(B, T, HV, V),
-        g=r(B, T, HV, K),
-        beta=r(B, T, HV),
-        A_log=torch.log(torch.linspace(1.0, 16.0, HV, device="cuda")).requires_grad_(True),
-        dt_bias=r(HV * K, dt=torch.float32, scale=0.1),
-        h0=r(B, HV, K, V, dt=torch.float32, scale=0.1),
-    )
-
-
-def step(x):
-    leaves = list(x.values())
-    o, ht = chunk_kda(
-        x["q"],
-        x["k"],
-        x["v"],
-        x["g"],
-        x["beta"],
-        use_qk_l2norm_in_kernel=True,
-        use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True,
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        initial_state=x["h0"],
-        output_final_state=True,
-    )
-    grads = torch.autograd.grad([o, ht], leaves, [torch.ones_like(o), torch.ones_like(ht)])
-    return [o.detach(), ht.detach(), *grads]
+    a = witness.parse_args(["--B", str(B), "--T", str(T), "--H", str(H), "--HV", str(HV), "--K", "128",
+                            "--V", "128", "--dtype", "bf16", "--seed", str(seed)])
+    x, flags, cot = witness.make_inputs(a, "cuda")
+    return list(witness.fwd_bwd(chunk_kda, x, flags, cot).values())
 
 
 def fingerprint(ts) -> list[float]:
@@ -111,8 +84,7 @@ def main() -> int:
     t_start = time.perf_counter()
     for i, (B, T, (H, HV)) in enumerate(shapes):
         t0 = time.perf_counter()
-        x = inputs(B, T, H, HV, seed=hash((B, T, H, HV)) % 2**31)
-        res = step(x)
+        res = step(B, T, H, HV, seed=hash((B, T, H, HV)) % 2**31)
         if not all(torch.isfinite(t).all() for t in res):
             bad.append(f"call {i}: non-finite output at B{B} T{T} H{H} HV{HV}")
         key = (B, T, H, HV)
@@ -121,7 +93,7 @@ def main() -> int:
             seen[key] = fp
         elif fp != seen[key]:
             bad.append(f"call {i}: B{B} T{T} H{H} HV{HV} differs from its first call")
-        del x, res
+        del res
         torch.cuda.synchronize()
         curve["ms"].append((time.perf_counter() - t0) * 1e3)
         curve["alloc_mb"].append(torch.cuda.memory_allocated() / 2**20)

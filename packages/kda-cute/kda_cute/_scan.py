@@ -22,7 +22,12 @@ the two-warpgroup build the reference shape runs (1.885 vs 1.834 ms, H200 2026-1
     reduction over K = 128) reads, and the same buffer is the source of the TMA bulk store of
     the per-chunk checkpoint (h / dh): one smem write serves both;
   * per-chunk operand tiles arrive by TMA into a `stages`-deep ring, one mbarrier per stage
-    (warp 0 refills stage c % stages with chunk c + stages once every thread is done with it);
+    (warp 0 refills stage c % stages with chunk c + stages once every thread is done with it).
+    The ring is hand-written (`prologue`, `issue_chunk`, `release`, `refill`), not
+    `cutlass.pipeline.PipelineTmaAsync`: the refactor that gathered it here had to keep every
+    PTX byte-identical, and a producer warp of its own (that pipeline's usual shape) measured
+    slower in b1 (ptxas capped registers at 168 and spilled; docs/perf/b1.md). A port to
+    cutlass.pipeline is a kernel change to measure on the GPU, not yet done;
   * per-chunk bf16 outputs (v_new, o, dv2) are staged in smem and leave by TMA store; TMA clips
     the rows past T of the last partial chunk, and its zero-filled loads make them contribute 0.
 

@@ -55,11 +55,13 @@ round) 3.660 vs 15.652 ms = 4.28x.
 History, falsified experiments and their logs: docs/perf/intra.md.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ._common.cache import CallCache, alloc
+from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch, device_reason, sm_count_of
 
 BT = 64  # chunk
@@ -528,20 +530,7 @@ def _build_kernel_class():
     return _Kernel
 
 
-_KERNEL_CLASS = None
-
-
-def _kernel_class():
-    global _KERNEL_CLASS
-    if _KERNEL_CLASS is None:
-        _KERNEL_CLASS = _build_kernel_class()
-    return _KERNEL_CLASS
-
-
-def _cutlass_dtype(name: str):
-    import cutlass
-
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
+_kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL import) on first use
 
 
 # ----------------------------------------------------------------------------------- host side
@@ -646,7 +635,7 @@ def _build(views, stream, cfg: IntraConfig, options: str = ""):
     import cutlass.cute as cute
 
     kern = _kernel_class()(
-        _cutlass_dtype(cfg.io_dtype), _cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.HV // cfg.H, cfg.fold_dg,
+        cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.HV // cfg.H, cfg.fold_dg,
         cfg.emit_bf16, cfg.pf
     )
     opts = f"--ptxas-options --maxrregcount={MAXREG} {options}".strip()

@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from ._common.lazy import cutlass_dtype
 from ._common.support import sm_count_of
 
 BT = 64  # chunk
@@ -123,11 +124,9 @@ class Build:
     attributes, `dtype` as the cutlass type; tracing adds the layouts and the smem struct."""
 
     def __init__(self, config):
-        import cutlass
-
         for f in dataclasses.fields(config):
             setattr(self, f.name, getattr(config, f.name))
-        self.dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[config.dtype]
+        self.dtype = cutlass_dtype(config.dtype)
 
 
 _dummies: dict = {}

@@ -58,11 +58,13 @@ and on the H200 against float64 and fla (bench/check_wy_dqkg.py, tests/gpu/test_
 History and measurements: docs/perf/wy_dqkg.md.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ._common.cache import CallCache, alloc
+from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch, device_reason
 
 BT = 64  # chunk
@@ -577,20 +579,7 @@ def _build_kernel_class():
     return _Kernel
 
 
-_KERNEL_CLASS = None
-
-
-def _kernel_class():
-    global _KERNEL_CLASS
-    if _KERNEL_CLASS is None:
-        _KERNEL_CLASS = _build_kernel_class()
-    return _KERNEL_CLASS
-
-
-def _cutlass_dtype(name: str):
-    import cutlass
-
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
+_kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL import) on first use
 
 
 # ----------------------------------------------------------------------------------- host side
@@ -693,7 +682,7 @@ def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
     import cutlass.cute as cute
 
     kern = _kernel_class()(
-        _cutlass_dtype(cfg.io_dtype), _cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale
+        cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale
     )
     return cute.compile(kern, *views, stream, options=options)
 

@@ -1,5 +1,5 @@
-"""A module imported on first attribute access (the CuTe DSL takes seconds to import and is absent
-on some CPU installs; importing a stage for its `is_supported` must not require it)."""
+"""The CuTe DSL on first use: it takes seconds to import and is absent on some CPU installs, and
+importing a stage for its `is_supported` must not require it."""
 
 from __future__ import annotations
 
@@ -12,3 +12,10 @@ class LazyModule:
 
     def __getattr__(self, attr):
         return getattr(importlib.import_module(self._name), attr)
+
+
+def cutlass_dtype(name: str):
+    """The cutlass numeric type of a config's dtype name ("bf16", "fp16", "fp32")."""
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}[name]
