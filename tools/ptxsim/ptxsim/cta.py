@@ -6,6 +6,8 @@ Warp collectives (shfl.sync, bar.warp.sync, mma.sync m16n8k8 tf32) and bar.sync 
 the scheduler (`CTA.run`) completes once every participant has arrived; a warp that reaches a
 collective with fewer than 32 live lanes, or with lanes at different collectives, is an error
 (`RuntimeError("... diverged ...")`), and so is a CTA in which nothing can progress ("deadlock").
+`CTA.collective(kind, yields)` completes one warp's collective: a subclass that yields kinds of
+its own from `other` handles them there and passes the rest to the base (`ext_wy.WyCTA`).
 
 Memory: one emulated global memory (a bytearray, the caller's: `memory.global_memory` lays
 tensors out in it) and a per-CTA shared memory (`smem_bytes`, zero-filled; the dynamic shared
@@ -16,11 +18,14 @@ memory symbol `__dynamic_shmem__0` is address 0). Kernel parameters are read by 
 no effect, but its address must lie in one of the `prefetch_ok` byte ranges (none by default).
 
 Modelled: the integer, predicate, selection and branch opcodes, ld / st (param, global, shared;
-vectors), float32 add / sub / mul / fma (round to nearest), min / max / neg / abs, the bf16 / fp16
-/ tf32 conversions of `numerics`, prmt, dp2a, shfl.sync (bfly and idx), mma.sync m16n8k8
-row.col f32.tf32.tf32.f32. ex2.approx.ftz.f32 is modelled as exact exp2 with flush-to-zero (the
-hardware's ~2 ulp error is not), the mma operands as tf32-truncated (their low 13 bits dropped)
-with a float64 sum rounded once to float32 (the hardware's accumulation order is not modelled).
+vectors), float32 add / sub / mul / fma (round to nearest), min / max / neg / abs, setp.f32, neg
+.{bf16, f16, bf16x2, f16x2} (sign bits), the bf16 / fp16 / tf32 conversions of `numerics`, prmt,
+dp2a, shfl.sync (bfly and idx), mma.sync m16n8k8 row.col f32.tf32.tf32.f32. Any other float-typed
+opcode of the integer families (add.bf16x2, min.ftz.f32, setp.lt.f16, ...) raises
+NotImplementedError rather than running as integer arithmetic on the bits. ex2.approx.ftz.f32
+is modelled as exact exp2 with flush-to-zero (the hardware's ~2 ulp error is not), the mma
+operands as tf32-truncated (their low 13 bits dropped) with a float64 sum rounded once to float32
+(the hardware's accumulation order is not modelled).
 Not modelled: timing, caches, memory ordering between threads except at the collectives (a thread
 runs until it yields, so a data race shows only if that order exposes it), bank conflicts,
 out-of-range addresses beyond the emulated memories' ends (an IndexError), every opcode not
@@ -44,6 +49,28 @@ from .numerics import (
     tf32_rna,
 )
 from .program import Program
+
+# float types: an opcode of the integer families (add, neg, min, setp, ...) with one of these
+# suffixes is float arithmetic, modelled only where `CTA.thread` says so (never as integer math)
+_FLOAT_TYPES = frozenset(("f16", "bf16", "f16x2", "bf16x2", "f32", "f64"))
+
+
+def mma_m16n8(A, Bm, cs):
+    """D = A Bm + C of an mma.sync m16n8 with a float32 accumulator: A (16 x k) and Bm (k x 8) the
+    operands as float64, `cs` each lane's four C registers; the float64 sum is rounded once to
+    float32. Returns each lane's four D registers (lane 4 g + t holds rows g, g + 8, columns 2 t,
+    2 t + 1)."""
+    C = np.zeros((16, 8))
+    for lane, c in enumerate(cs):
+        g, t = lane // 4, lane % 4
+        C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = (b2f(x) for x in c)
+    D = (A @ Bm + C).astype(np.float32)
+    out = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        out.append([f2b(D[g, 2 * t]), f2b(D[g, 2 * t + 1]),
+                    f2b(D[g + 8, 2 * t]), f2b(D[g + 8, 2 * t + 1])])
+    return out
 
 
 class CTA:
@@ -110,30 +137,9 @@ class CTA:
                     continue
                 if len(kinds) != 1 or len(live) != 32:
                     raise RuntimeError(f"warp {w} diverged at a collective: {kinds}, {len(live)} live")
-                kind = kinds.pop()
-                if kind == "shfl":
-                    vals = [state[t][1] for t in lanes]
-                    outs = []
-                    for i, t in enumerate(lanes):
-                        _, _, mode, b, c = state[t]
-                        if mode == "bfly":
-                            j = i ^ b
-                        elif mode == "idx":
-                            j = b
-                        else:
-                            raise NotImplementedError(mode)
-                        outs.append(vals[j] if j < 32 else vals[i])
-                    for i, t in enumerate(lanes):
-                        state[t] = self.resume(threads, t, outs[i], alive)
-                elif kind == "wsync":
-                    for t in lanes:
-                        state[t] = self.resume(threads, t, None, alive)
-                elif kind == "mma":
-                    res = self.mma([state[t][1] for t in lanes])
-                    for i, t in enumerate(lanes):
-                        state[t] = self.resume(threads, t, res[i], alive)
-                else:
-                    raise NotImplementedError(kind)
+                outs = self.collective(kinds.pop(), [state[t] for t in lanes])
+                for i, t in enumerate(lanes):
+                    state[t] = self.resume(threads, t, outs[i], alive)
                 progressed = True
             if not progressed and not all((not alive[t]) or state[t][0] == "bar" for t in range(self.ntid)):
                 raise RuntimeError("deadlock")
@@ -145,28 +151,42 @@ class CTA:
             alive[t] = False
             return None
 
+    def collective(self, kind, yields):
+        """Complete a warp collective: `yields` is what each of the warp's 32 lanes yielded (all of
+        the one `kind`); returns what each lane's yield receives. A subclass handles its own kinds
+        here and passes the rest on to this."""
+        if kind == "shfl":
+            vals = [y[1] for y in yields]
+            outs = []
+            for i, (_, _, mode, b, _c) in enumerate(yields):
+                if mode == "bfly":
+                    j = i ^ b
+                elif mode == "idx":
+                    j = b
+                else:
+                    raise NotImplementedError(mode)
+                outs.append(vals[j] if j < 32 else vals[i])
+            return outs
+        if kind == "wsync":
+            return [None] * 32
+        if kind == "mma":
+            return self.mma([y[1] for y in yields])
+        raise NotImplementedError(kind)
+
     @staticmethod
     def mma(frags):
         # m16n8k8 tf32: a (4 regs), b (2), c (4); row.col
         A = np.zeros((16, 8))
         Bm = np.zeros((8, 8))
-        C = np.zeros((16, 8))
 
         def tf(b):
             return b2f(b & 0xFFFFE000)
 
-        for lane, (a, b, c) in enumerate(frags):
+        for lane, (a, b, _c) in enumerate(frags):
             g, t = lane // 4, lane % 4
             A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = (tf(x) for x in a)
             Bm[t, g], Bm[t + 4, g] = tf(b[0]), tf(b[1])
-            C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = (b2f(x) for x in c)
-        D = (A @ Bm + C).astype(np.float32)
-        out = []
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            out.append([f2b(D[g, 2 * t]), f2b(D[g, 2 * t + 1]),
-                        f2b(D[g + 8, 2 * t]), f2b(D[g + 8, 2 * t + 1])])
-        return out
+        return mma_m16n8(A, Bm, [c for _, _, c in frags])
 
     # ---- one thread
     def thread(self, tid):
@@ -314,6 +334,14 @@ class CTA:
             elif base in ("add", "sub", "mul", "mad", "shl", "shr", "and", "or", "xor", "not", "min", "max",
                           "div", "rem", "neg"):
                 typ = parts[-1]
+                if typ in _FLOAT_TYPES:  # float arithmetic the cases above do not cover: not integer
+                    if op in ("neg.bf16", "neg.f16"):  # the sign bit
+                        R[args[0]] = (val(args[1]) ^ 0x8000) & 0xFFFF
+                    elif op in ("neg.bf16x2", "neg.f16x2"):  # the sign bit of both halves
+                        R[args[0]] = (val(args[1]) ^ 0x80008000) & 0xFFFFFFFF
+                    else:
+                        raise NotImplementedError(f"{op} {args}")
+                    continue
                 bits = int(re.sub(r"\D", "", typ))
                 signed = typ.startswith("s")
                 mask = (1 << bits) - 1
@@ -369,8 +397,10 @@ class CTA:
                 R[args[0]] = r & mask
             elif base == "setp":
                 cmp, typ = parts[1], parts[2]
+                if typ in _FLOAT_TYPES and typ != "f32":
+                    raise NotImplementedError(f"{op} {args}")
                 bits = int(re.sub(r"\D", "", typ))
-                if typ.startswith("f"):
+                if typ == "f32":
                     a_, b_ = fv(args[1]), fv(args[2])
                 else:
                     a_, b_ = val(args[1]) & ((1 << bits) - 1), val(args[2]) & ((1 << bits) - 1)

@@ -12,35 +12,29 @@
     at issue and the data lands when a wait_group of the issuing thread retires its group (the
     latest the hardware may), so a read before the wait, or a copy into a buffer still being
     read, shows as NaN; a thread that exits with copies in flight is an error;
-  * neg.bf16 / neg.f16 / neg.bf16x2 / neg.f16x2 (sign bits; the base would run them as integer
-    negation), and the packed cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 (first source in the upper
-    half). Any other 16-bit float arithmetic (add.bf16x2, fma.rn.bf16, ...) raises
-    NotImplementedError rather than reaching the base's integer opcodes.
+  * the packed cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32 (first source in the upper half).
+16-bit float negation (sign bits) is the base's, as is the NotImplementedError for any other
+16-bit float arithmetic (add.bf16x2, fma.rn.bf16, ...).
 
-`wy_program(ptx)` parses the PTX and renames those opcodes to private ones (`ptxsim.*`) so the
-base interpreter hands them to `WyCTA.other` rather than to its own handlers (the base `mma`
-is the tf32 m16n8k8 and cannot tell the formats apart by its operands).
+`wy_program(ptx)` parses the PTX and renames the mma and ldmatrix opcodes to private ones
+(`ptxsim.*`) so the base interpreter hands them to `WyCTA.other` rather than to its own handlers
+(the base `mma` is the tf32 m16n8k8 and cannot tell the formats apart by its operands).
 
-The scheduler (`WyCTA.run`) is the base's: CTA-wide bar.sync, shfl.sync (bfly, idx), bar.warp
-.sync and these collectives, each completed once all 32 lanes of the warp reached it. Not
+The scheduler is the base's (`CTA.run`: CTA-wide bar.sync, shfl.sync (bfly, idx), bar.warp.sync)
+with these collectives added through `WyCTA.collective`, each completed once all 32 lanes of the
+warp reached it; `WyCTA.run` then checks that no cp.async copy is left in flight. Not
 modelled: named barriers, TMA / mbarriers (see `hopper`), timing, bank conflicts, the
 cp.async L2 prefetch / cache hints, ldmatrix .b8 / m16n16 shapes, stmatrix.
 """
 
 import numpy as np
 
-from .cta import CTA
-from .numerics import b2f, bf16_to_f32, f2b, f16_to_f32, f32_to_bf16, f32_to_f16
+from .cta import CTA, mma_m16n8
+from .numerics import b2f, bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
 from .program import Program
 
 MMA16 = "ptxsim.mma16"
 LDSM = "ptxsim.ldsm"
-NEG16 = "ptxsim.neg16"
-NEG16X2 = "ptxsim.neg16x2"
-HALF_ARITH = "ptxsim.half"  # any other 16-bit float arithmetic: not modelled (an error)
-# opcodes the base CTA runs as integer arithmetic whatever their type suffix
-_INT_BASES = ("add", "sub", "mul", "mad", "fma", "neg", "abs", "min", "max", "div", "rem", "shl", "shr",
-              "and", "or", "xor", "not")
 
 
 def wy_program(ptx: str) -> Program:
@@ -56,12 +50,6 @@ def wy_program(ptx: str) -> Program:
             parts = op.split(".")
             assert parts[-1] == "b16" and parts[-2] == "shared", op
             op = f"{LDSM}.{parts[4]}" + (".trans" if "trans" in parts else "")
-        elif op in ("neg.bf16", "neg.f16"):
-            op = NEG16
-        elif op in ("neg.bf16x2", "neg.f16x2"):
-            op = NEG16X2
-        elif op.split(".")[-1] in ("bf16", "f16", "bf16x2", "f16x2") and op.split(".")[0] in _INT_BASES:
-            op = f"{HALF_ARITH}.{op}"  # 16-bit float arithmetic: not the base's integer opcodes
         out.append((pred, op, args))
     prog.instrs = out
     return prog
@@ -104,10 +92,6 @@ class WyCTA(CTA):
             res = yield ("ldsm", (n, trans, addr(args[1]) & 0xFFFFFFFF))
             for r, v in zip(d, res, strict=True):
                 R[r] = v
-        elif op == NEG16:  # the sign bit
-            R[args[0]] = (val(args[1]) ^ 0x8000) & 0xFFFF
-        elif op == NEG16X2:  # the sign bit of both halves
-            R[args[0]] = (val(args[1]) ^ 0x80008000) & 0xFFFFFFFF
         elif op in ("cvt.rn.bf16x2.f32", "cvt.rn.f16x2.f32"):
             cv = f32_to_bf16 if "bf16x2" in op else f32_to_f16
             hi, lo = cv(b2f(val(args[1]))), cv(b2f(val(args[2])))
@@ -144,28 +128,27 @@ class WyCTA(CTA):
         yield
 
     # ---- warp collectives
+    def collective(self, kind, yields):
+        if kind == "mma16":
+            return self.mma16([y[1] for y in yields])
+        if kind == "ldsm":
+            return self.ldsm([y[1] for y in yields])
+        return super().collective(kind, yields)
+
     @staticmethod
     def mma16(frags):
         kind = frags[0][0]
         h = _half(kind)
         A = np.zeros((16, 16))
         Bm = np.zeros((16, 8))
-        C = np.zeros((16, 8))
-        for lane, (k2, a, b, c) in enumerate(frags):
+        for lane, (k2, a, b, _c) in enumerate(frags):
             assert k2 == kind
             g, t = lane // 4, lane % 4
             for i, (r, k0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
                 A[r, k0], A[r, k0 + 1] = h(a[i]), h(a[i] >> 16)
             for i, k0 in enumerate((2 * t, 2 * t + 8)):
                 Bm[k0, g], Bm[k0 + 1, g] = h(b[i]), h(b[i] >> 16)
-            C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = (b2f(x) for x in c)
-        D = (A @ Bm + C).astype(np.float32)
-        out = []
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            out.append([f2b(D[g, 2 * t]), f2b(D[g, 2 * t + 1]),
-                        f2b(D[g + 8, 2 * t]), f2b(D[g + 8, 2 * t + 1])])
-        return out
+        return mma_m16n8(A, Bm, [f[3] for f in frags])
 
     def ldsm(self, reqs):
         n, trans = reqs[0][0], reqs[0][1]
@@ -185,64 +168,8 @@ class WyCTA(CTA):
                 out[lane][i] = lo | (hi << 16)
         return out
 
-    # ---- the scheduler (the base's, with the collectives above)
     def run(self):
-        threads = [self.thread(t) for t in range(self.ntid)]
-        state = [None] * self.ntid
-        alive = [True] * self.ntid
-        for t in range(self.ntid):
-            state[t] = next(threads[t], None)
-            if state[t] is None:
-                alive[t] = False
-        steps = 0
-        while any(alive):
-            steps += 1
-            if steps > 10_000_000:
-                raise RuntimeError("no progress")
-            if all((not alive[t]) or state[t][0] == "bar" for t in range(self.ntid)):
-                for t in range(self.ntid):
-                    if alive[t]:
-                        state[t] = self.resume(threads, t, None, alive)
-                continue
-            progressed = False
-            for w in range(self.ntid // 32):
-                lanes = range(32 * w, 32 * w + 32)
-                live = [t for t in lanes if alive[t]]
-                if not live:
-                    continue
-                kinds = {state[t][0] for t in live}
-                if kinds == {"bar"}:
-                    continue
-                if len(kinds) != 1 or len(live) != 32:
-                    raise RuntimeError(f"warp {w} diverged at a collective: {kinds}, {len(live)} live")
-                kind = kinds.pop()
-                if kind == "shfl":
-                    vals = [state[t][1] for t in lanes]
-                    outs = []
-                    for i, t in enumerate(lanes):
-                        _, _, mode, b, c = state[t]
-                        if mode == "bfly":
-                            j = i ^ b
-                        elif mode == "idx":
-                            j = b
-                        else:
-                            raise NotImplementedError(mode)
-                        outs.append(vals[j] if j < 32 else vals[i])
-                elif kind == "wsync":
-                    outs = [None] * 32
-                elif kind == "mma":
-                    outs = self.mma([state[t][1] for t in lanes])
-                elif kind == "mma16":
-                    outs = self.mma16([state[t][1] for t in lanes])
-                elif kind == "ldsm":
-                    outs = self.ldsm([state[t][1] for t in lanes])
-                else:
-                    raise NotImplementedError(kind)
-                for i, t in enumerate(lanes):
-                    state[t] = self.resume(threads, t, outs[i], alive)
-                progressed = True
-            if not progressed and not all((not alive[t]) or state[t][0] == "bar" for t in range(self.ntid)):
-                raise RuntimeError("deadlock")
+        super().run()
         for tid, q in self.copies.items():
             if q[0] or len(q) > 1:
                 raise RuntimeError(f"thread {tid} exited with cp.async copies in flight")
