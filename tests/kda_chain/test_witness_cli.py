@@ -29,8 +29,11 @@ def test_cli_flags_off(capsys):
     if torch.cuda.is_available():
         pytest.skip("checks the CPU path")
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    cap = capsys.readouterr()
+    out = cap.out
     assert "  dA_log " not in out and "  dh0 " not in out and "  ht " not in out and "  dg " in out
+    # on CPU nothing compiles: the progress line must not say it does
+    assert "nothing compiles on CPU" in cap.err and "compiles the CuTe kernels" not in cap.err
 
 
 def test_cli_checks_the_first_sequence_at_large_shapes(monkeypatch, capsys):
