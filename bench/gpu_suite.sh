@@ -39,6 +39,11 @@ if [ -n "${TRITON_CACHE_DIR:-}" ] && [ -f .devcache/triton-cache.tar.xz ] \
   tar -xJf .devcache/triton-cache.tar.xz -C "$TRITON_CACHE_DIR" && echo "restored the Triton cache" | tee -a "$LOG"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
+# the cuDNN-frontend peer (bench/test_chain.py), when the kit's .dev-p travelled with the call
+if ls .dev-p/*.whl >/dev/null 2>&1 && [ ! -d /tmp/kda-peer ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/kda-peer .dev-p/*.whl && echo "installed the cuDNN peer" | tee -a "$LOG"
+fi
+[ -d /tmp/kda-peer ] && export PYTHONPATH=$PYTHONPATH:/tmp/kda-peer
 for s in $steps; do
   case $s in
     witness)
