@@ -58,7 +58,7 @@ import torch
 from . import scan_policy as P
 from ._common.cache import CallCache, alloc
 from ._common.lazy import LazyModule
-from ._common.support import compile_arch, device_reason
+from ._common.support import device_reason
 
 S = LazyModule("kda_cute._scan")  # the device half: imported (with the DSL) on the first build
 _cache = CallCache("kda_cute_b1")
@@ -74,19 +74,12 @@ def variant(B: int, HV: int, V: int, sms: int = P.DEFAULT_SMS) -> tuple[int, int
     return (4, 1) if P.v_tiles(B, HV, V) <= sms else (2, 1)
 
 
-@dataclass(frozen=True)
-class B1Config:
+@dataclass(frozen=True, kw_only=True)
+class B1Config(P.ScanConfig):
     """Everything the compiled b1 depends on: the call cache's compile key."""
 
-    dtype: str  # "bf16" / "fp16"
-    V: int
-    HV: int
-    ratio_k: int  # HV // kg's heads
     has_h0: bool
     store_ht: bool
-    stages: int
-    nwg: int
-    arch: str
 
 
 class _B1(P.Build):
@@ -228,8 +221,7 @@ def _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups):
         (0, 1),
         (0,) if ht is not None else (),
     )
-    cfg = B1Config(P.DTYPES[u.dtype], V, HV, HV // kg.shape[2], initial_state is not None,
-                   bool(output_final_state), stages, nwg, compile_arch())
+    cfg = B1Config.of(u, kg, stages, nwg, has_h0=initial_state is not None, store_ht=bool(output_final_state))
     return (h, v_new, ht), args, dyn, cfg
 
 

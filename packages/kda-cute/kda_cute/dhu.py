@@ -55,7 +55,7 @@ import torch
 from . import scan_policy as P
 from ._common.cache import CallCache, alloc
 from ._common.lazy import LazyModule
-from ._common.support import compile_arch, device_reason
+from ._common.support import device_reason
 
 S = LazyModule("kda_cute._scan")  # the device half: imported (with the DSL) on the first build
 _cache = CallCache("kda_cute_dhu")
@@ -72,21 +72,14 @@ def variant(B: int, HV: int, V: int) -> tuple[int, int]:
     return (STAGES, 2) if P.wide_grid(B, HV, V) else (STAGES, 1)
 
 
-@dataclass(frozen=True)
-class DhuConfig:
+@dataclass(frozen=True, kw_only=True)
+class DhuConfig(P.ScanConfig):
     """Everything the compiled dhu depends on: the call cache's compile key."""
 
-    dtype: str  # "bf16" / "fp16"
-    V: int
-    HV: int
     ratio_q: int  # HV // qg's heads
-    ratio_k: int  # HV // kg's heads
     has_dh0: bool
     has_dht: bool
     scale: float
-    stages: int
-    nwg: int
-    arch: str
 
 
 class _Dhu(P.Build):
@@ -289,8 +282,8 @@ def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
         (0,) if dh0 is not None else (),
         (0, 1),
     )
-    cfg = DhuConfig(P.DTYPES[do.dtype], V, HV, HV // qg.shape[2], HV // kg.shape[2], dh0 is not None,
-                    dht is not None, float(scale), stages, nwg, compile_arch())
+    cfg = DhuConfig.of(do, kg, stages, nwg, ratio_q=HV // qg.shape[2], has_dh0=dh0 is not None,
+                       has_dht=dht is not None, scale=float(scale))
     return (dh, dh0, dv2), args, dyn, cfg
 
 

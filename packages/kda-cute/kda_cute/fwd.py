@@ -60,7 +60,7 @@ import torch
 from . import scan_policy as P
 from ._common.cache import CallCache, alloc
 from ._common.lazy import LazyModule
-from ._common.support import compile_arch, device_reason
+from ._common.support import device_reason
 
 S = LazyModule("kda_cute._scan")  # the device half: imported (with the DSL) on the first build
 _cache = CallCache("kda_cute_fwd")
@@ -73,20 +73,13 @@ def variant(B: int, HV: int, V: int) -> tuple[int, int]:
     return (2, 2) if P.wide_grid(B, HV, V) else (2, 1)
 
 
-@dataclass(frozen=True)
-class FwdConfig:
+@dataclass(frozen=True, kw_only=True)
+class FwdConfig(P.ScanConfig):
     """Everything the compiled fwd depends on: the call cache's compile key."""
 
-    dtype: str  # "bf16" / "fp16"
-    V: int
-    HV: int
-    ratio_k: int  # HV // kg's heads
     has_h0: bool
     store_ht: bool
     scale: float
-    stages: int
-    nwg: int
-    arch: str
 
 
 class _Fwd(P.Build):
@@ -268,8 +261,8 @@ def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stage
     h0 = initial_state if initial_state is not None else dummy
     args = (qg, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy)
     dyn = ((0, 1),) * 6 + ((0,) if initial_state is not None else (), (0, 1), (0,) if ht is not None else ())
-    cfg = FwdConfig(P.DTYPES[u.dtype], V, HV, HV // kg.shape[2], initial_state is not None,
-                    bool(output_final_state), float(scale), stages, nwg, compile_arch())
+    cfg = FwdConfig.of(u, kg, stages, nwg, has_h0=initial_state is not None,
+                       store_ht=bool(output_final_state), scale=float(scale))
     return (o, ht), args, dyn, cfg
 
 

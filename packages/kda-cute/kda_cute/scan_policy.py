@@ -10,11 +10,12 @@ The device half (views, TMA, wgmma, the mbarrier ring) is `kda_cute._scan`.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from ._common.lazy import cutlass_dtype
-from ._common.support import sm_count_of
+from ._common.support import compile_arch, sm_count_of
 
 BT = 64  # chunk
 KD = 128  # key dim (state rows)
@@ -119,6 +120,27 @@ def operand_reason(kg, w, u, gk, initial_state=None) -> str | None:
 
 
 # ------------------------------------------------------------------------------------- builds
+@dataclass(frozen=True, kw_only=True)
+class ScanConfig:
+    """What every scan build depends on; each scan's config adds its own fields. A config is the
+    call cache's compile key: a field missing from it would reuse a stale compiled kernel."""
+
+    dtype: str  # "bf16" / "fp16"
+    V: int
+    HV: int
+    ratio_k: int  # HV // kg's heads
+    stages: int
+    nwg: int
+    arch: str = dataclasses.field(default_factory=compile_arch)
+
+    @classmethod
+    def of(cls, t: torch.Tensor, kg: torch.Tensor, stages: int, nwg: int, **fields):
+        """The config for operands like `t` ([B, T, HV, V] in the operand dtype) and kg's heads."""
+        HV = t.shape[2]
+        return cls(dtype=DTYPES[t.dtype], V=t.shape[3], HV=HV, ratio_k=HV // kg.shape[2], stages=stages,
+                   nwg=nwg, **fields)
+
+
 class Build:
     """A scan kernel's builder over its frozen config (the compile key): the config's fields as
     attributes, `dtype` as the cutlass type; tracing adds the layouts and the smem struct."""
