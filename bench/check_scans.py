@@ -19,7 +19,6 @@ phase) then costs only its own step's time limit, and the other two still report
 
 import argparse
 import faulthandler
-import math
 import sys
 import time
 
@@ -28,10 +27,10 @@ import kda_cute.dhu as dhu
 import kda_cute.fwd as fwd
 import torch
 from cuda_clock import median_ms  # bench/ (this script's directory)
+from kda_chain.testing import scan_inputs
 from kda_cute import reference as ref
 from kda_cute.reference import rel_err
 
-RCP_LN2 = 1.0 / math.log(2.0)
 INNER = 3  # calls per timing sample
 MODS = (b1, fwd, dhu)
 _poison = {"on": False}
@@ -60,30 +59,7 @@ for _m in MODS:
     _wrap_alloc(_m)
 
 
-def make_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0, K=128):
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rn(*s):
-        return torch.randn(*s, generator=gen, device="cuda", dtype=torch.float32)
-
-    q = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype)
-    k = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype)
-    v = rn(B, T, HV, V).to(dtype)
-    g = gmin * torch.rand(B, T, HV, K, generator=gen, device="cuda")
-    gk = chunk_local_cumsum(g, scale=RCP_LN2, chunk_size=64)
-    beta = torch.sigmoid(rn(B, T, HV)).to(dtype)
-    scale = K**-0.5
-    w, u, qg, kg, Aqk, Akk = chunk_kda_fwd_intra(
-        q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=64, disable_recompute=True
-    )
-    h0t = rn(B, HV, K, V) * 0.1 if h0 else None
-    do = rn(B, T, HV, V).to(dtype)
-    dv = (rn(B, T, HV, V) * 0.5).to(dtype)
-    dht = rn(B, HV, K, V) * 0.1 if h0 else None
-    return dict(q=q, kg=kg, w=w, u=u, gk=gk, Aqk=Aqk, qg=qg, h0=h0t, do=do, dv=dv, dht=dht, scale=scale)
+make_inputs = scan_inputs  # kda_chain.testing; ab_stage, check_launch, ncu_profile call it by this name
 
 
 # ------------------------------------------------------------------------------------- the calls

@@ -32,20 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 from kda_chain import ddp
-
-
-def _int(lo: int):
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if n < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {n}")
-        return n
-
-    parse.__name__ = f"integer >= {lo}"
-    return parse
+from kda_chain.cli_args import at_least, check_output_file
 
 
 def _positive_float(text: str) -> float:
@@ -67,9 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true",
                    help="gloo on CPU at the small shape, the chain's reference stages (default: NCCL on "
                    "GPUs)")
-    p.add_argument("--steps", type=_int(1), default=None,
+    p.add_argument("--steps", type=at_least(1), default=None,
                    help="training steps (default 200 on GPU, 5 on CPU)")
-    p.add_argument("--warmup", type=_int(0), default=None,
+    p.add_argument("--warmup", type=at_least(0), default=None,
                    help="untimed first steps, fewer than --steps (default 10 on GPU, 1 on CPU)")
     names = {"B": "sequences per rank", "T": "tokens per sequence", "H": "q/k heads",
              "HV": "v heads (a multiple of H)", "K": "key head dim (<= 256)", "V": "value head dim",
@@ -77,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for dim, what in names.items():
         g, c = getattr(gpu, dim), getattr(cpu, dim)
         both = f"default {g}" if g == c else f"default {g} on GPU, {c} on CPU"
-        p.add_argument(f"--{dim}", type=_int(1), default=None, help=f"{what} ({both})")
+        p.add_argument(f"--{dim}", type=at_least(1), default=None, help=f"{what} ({both})")
     p.add_argument("--dtype", choices=list(ddp.DTYPES), default="float32",
                    help="parameter dtype (default float32; float64 is for CPU checks)")
     p.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=None,
@@ -87,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "fla from the same init on the same tokens (default ours)")
     p.add_argument("--seed", type=int, default=0, help="model init and token stream seed (default 0)")
     p.add_argument("--lr", type=_positive_float, default=3e-4, help="AdamW learning rate (default 3e-4)")
-    p.add_argument("--every", type=_int(1), default=None,
+    p.add_argument("--every", type=at_least(1), default=None,
                    help="print every k-th step's loss (default: about 12 points on the curve)")
     p.add_argument("--witness", action="store_true",
                    help="after training, profile one step per rank with kda_witness and print each table "
@@ -128,11 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.every is None:
         a.every = max(1, a.steps // 12)
     if a.out:
-        parent = os.path.dirname(os.path.abspath(a.out))
-        if not os.path.isdir(parent):
-            p.error(f"--out {a.out}: directory {parent} does not exist")
-        if not os.access(parent, os.W_OK):
-            p.error(f"--out {a.out}: directory {parent} is not writable")
+        check_output_file(p, "--out", a.out)
     return a
 
 

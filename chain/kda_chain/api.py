@@ -148,7 +148,7 @@ def chunk_kda(
         no_fla = S.fla_gate(q)
         if no_fla is not None:
             raise NotImplementedError(f"chunk_kda: {reason}, and fla cannot run here ({no_fla})")
-        S.log_once(f"kda_chain: whole call to fla: {reason}")
+        registry.log_once(f"kda_chain: whole call to fla: {reason}", logger=log)
         S.dispatch_log().append(S.Choice("chunk_kda", "fla", reason))
         from fla.ops.kda import chunk_kda as fla_chunk_kda
 

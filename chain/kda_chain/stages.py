@@ -33,19 +33,11 @@ import kda_witness
 import torch
 from kda_cute import reference as ref
 from kda_cute import registry
-from kda_cute.registry import CuteStage, device_of, device_reason
+from kda_cute.registry import CuteStage, device_of, device_reason, log_once
 from kda_witness import stage_range
 from torch._C._autograd import _profiler_enabled
 
 log = logging.getLogger("kda_chain")
-_logged: set[str] = set()
-
-
-def log_once(message: str, level: int = logging.INFO) -> None:
-    """Log `message` the first time it is seen in this process (a fallback, once per reason)."""
-    if message not in _logged:
-        _logged.add(message)
-        log.log(level, message)
 
 
 FORCE_ENV = "KDA_FORCE_FLA"
@@ -240,7 +232,7 @@ class Stage:
         fallback (an implementation passed over) is also logged, once per distinct reason."""
         dispatch_log().append(Choice(self.name, impl.name, reason))
         if reason is not None:
-            log_once(f"kda_chain: {self.name} runs {impl.name}: {reason}")
+            log_once(f"kda_chain: {self.name} runs {impl.name}: {reason}", logger=log)
         calls = _capture
         if calls is not None:
             calls.append((self.name, args, kwargs))

@@ -23,7 +23,6 @@ table has no kernels and its times are CPU wall time of the stage ranges.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from kda_cute.reference import chunk_kda_reference, rel_err
 from kda_witness import Results, WitnessError, expect, profile
 
 from .api import chunk_kda
+from .cli_args import at_least, check_output_file
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # GPU default: CHAIN.md's reference shape; CPU default: small enough for the float64 reference.
@@ -62,17 +62,6 @@ def first_sequence(x: dict, cot: dict) -> tuple[dict, dict]:
             {n: t[:1] for n, t in cot.items()})
 
 
-def _positive(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="kda-witness",
@@ -84,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     names = {"B": "batch", "T": "sequence length", "H": "q/k heads", "HV": "v heads (a multiple of H)",
              "K": "key head dim", "V": "value head dim"}
     for dim, what in names.items():
-        p.add_argument(f"--{dim}", type=_positive, default=None,
+        p.add_argument(f"--{dim}", type=at_least(1), default=None,
                        help=f"{what} (default on this {on}: {defaults[dim]})")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help=f"q/k/v dtype (default on this {on}: {defaults['dtype']})")
@@ -94,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--l2norm", action=flag, default=True, help="use_qk_l2norm_in_kernel (default on)")
     p.add_argument("--initial-state", action=flag, default=True, help="pass h0 (default on)")
     p.add_argument("--final-state", action=flag, default=True, help="output_final_state (default on)")
-    p.add_argument("--reps", type=_positive, default=5,
+    p.add_argument("--reps", type=at_least(1), default=5,
                    help="timed calls after one warm-up, median reported (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--require-cute", action="store_true",
@@ -111,11 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.HV % args.H:
         p.error(f"--HV {args.HV} must be a multiple of --H {args.H}")
     if args.trace:
-        parent = os.path.dirname(os.path.abspath(args.trace))
-        if not os.path.isdir(parent):
-            p.error(f"--trace {args.trace}: directory {parent} does not exist")
-        if not os.access(parent, os.W_OK):
-            p.error(f"--trace {args.trace}: directory {parent} is not writable")
+        check_output_file(p, "--trace", args.trace)
     args.dtype = DTYPES[args.dtype]
     return args
 

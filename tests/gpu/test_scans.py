@@ -7,7 +7,6 @@ The same checks, with timing and the kernels' variants, are bench/check_scans.py
 CUDA."""
 
 import contextlib
-import math
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ pytest.importorskip("cutlass.cute")
 import kda_cute.b1 as b1  # noqa: E402
 import kda_cute.dhu as dhu  # noqa: E402
 import kda_cute.fwd as fwd  # noqa: E402
+from kda_chain.testing import scan_inputs  # noqa: E402
 from kda_cute import reference as ref  # noqa: E402
 from kda_cute.reference import rel_err  # noqa: E402
 
@@ -31,32 +31,6 @@ SHAPES = {  # B, T, H, HV, V, dtype, with h0 / dht
     "gva_tail": (2, 200, 8, 16, 128, torch.bfloat16, True),
     "fp16": (2, 256, 16, 16, 128, torch.float16, True),
 }
-
-
-def make_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0, K=128):
-    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rn(*s):
-        return torch.randn(*s, generator=gen, device="cuda", dtype=torch.float32)
-
-    q = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype)
-    k = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype)
-    v = rn(B, T, HV, V).to(dtype)
-    g = gmin * torch.rand(B, T, HV, K, generator=gen, device="cuda")
-    gk = chunk_local_cumsum(g, scale=1.0 / math.log(2.0), chunk_size=64)
-    beta = torch.sigmoid(rn(B, T, HV)).to(dtype)
-    scale = K**-0.5
-    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
-        q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=64, disable_recompute=True
-    )
-    h0t = rn(B, HV, K, V) * 0.1 if h0 else None
-    do = rn(B, T, HV, V).to(dtype)
-    dv = (rn(B, T, HV, V) * 0.5).to(dtype)
-    dht = rn(B, HV, K, V) * 0.1 if h0 else None
-    return dict(q=q, kg=kg, w=w, u=u, gk=gk, Aqk=Aqk, qg=qg, h0=h0t, do=do, dv=dv, dht=dht, scale=scale)
 
 
 def ours(stage, d):
@@ -101,7 +75,7 @@ def inputs():
     def get(name):
         if name not in cache:
             B, T, H, HV, V, dt, h0 = SHAPES[name]
-            cache[name] = make_inputs(B, T, H, HV, V, dt, h0=h0)
+            cache[name] = scan_inputs(B, T, H, HV, V, dt, h0=h0)
             torch.cuda.synchronize()
         return cache[name]
 

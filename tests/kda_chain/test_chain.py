@@ -64,7 +64,9 @@ def test_chain_matches_autograd_through_naive_recurrence(shape, flags):
 
 
 def test_cpu_dispatch_goes_to_reference_with_reasons(monkeypatch, caplog):
-    monkeypatch.setattr(S, "_logged", set())  # log_once: fresh for this test
+    from kda_cute._common import support
+
+    monkeypatch.setattr(support, "_logged", set())  # log_once: fresh for this test
     caplog.set_level("INFO", logger="kda_chain")
     x = _inputs(T=64)
     reset_dispatch_log()

@@ -34,9 +34,10 @@ from types import ModuleType
 
 import torch
 
-from ._common.support import device_of, device_reason, probing
+from ._common.support import device_of, device_reason, log_once, probing
 
-__all__ = ["STAGES", "BY_NAME", "CuteStage", "Dims", "kernel_stages", "device_of", "device_reason", "probing"]
+__all__ = ["STAGES", "BY_NAME", "CuteStage", "Dims", "kernel_stages", "device_of", "device_reason",
+           "log_once", "probing"]
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ log = logging.getLogger("kda_cute")
 _logged: set[str] = set()
 
 
-def log_once(message: str, level: int = logging.INFO) -> None:
+def log_once(message: str, level: int = logging.INFO, logger: logging.Logger = log) -> None:
+    """Log `message` the first time this process sees it (a fallback, once per distinct reason)."""
     if message not in _logged:
         _logged.add(message)
-        log.log(level, message)
+        logger.log(level, message)
 
 
 @cache

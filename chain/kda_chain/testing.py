@@ -1,0 +1,38 @@
+"""Realistic inputs of the CuTe scan stages on CUDA, for the GPU tests and the bench checks alike:
+kg, w, u, Aqk and qg come from fla's own intra (disable_recompute: the store of qg the chain asks
+for) on l2-normed q, k and negative per-step gates (CUDA and fla needed)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+RCP_LN2 = 1.0 / math.log(2.0)
+
+
+def scan_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0, K=128) -> dict:
+    """q, kg, w, u, gk, Aqk, qg, h0, do, dv, dht (h0 / dht None without `h0`) and the scale."""
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen, device="cuda", dtype=torch.float32)
+
+    q = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype)
+    k = torch.nn.functional.normalize(rn(B, T, H, K), dim=-1).to(dtype)
+    v = rn(B, T, HV, V).to(dtype)
+    g = gmin * torch.rand(B, T, HV, K, generator=gen, device="cuda")
+    gk = chunk_local_cumsum(g, scale=RCP_LN2, chunk_size=64)
+    beta = torch.sigmoid(rn(B, T, HV)).to(dtype)
+    scale = K**-0.5
+    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
+        q=q, k=k, v=v, gk=gk, beta=beta, scale=scale, chunk_size=64, disable_recompute=True
+    )
+    h0t = rn(B, HV, K, V) * 0.1 if h0 else None
+    do = rn(B, T, HV, V).to(dtype)
+    dv = (rn(B, T, HV, V) * 0.5).to(dtype)
+    dht = rn(B, HV, K, V) * 0.1 if h0 else None
+    return dict(q=q, kg=kg, w=w, u=u, gk=gk, Aqk=Aqk, qg=qg, h0=h0t, do=do, dv=dv, dht=dht, scale=scale)
