@@ -3,7 +3,7 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tvmffi train soak tests fp16 bench ncu save savecache
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tvmffi train soak tests fp16 bench peer ncu save savecache
 #                                     (default: all but fp16, ncu, savecache)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
@@ -71,6 +71,9 @@ for s in $steps; do
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
+    peer)  # ours, fla, cuDNN (when .dev-p travelled) and attn-gym side by side on the peers' inputs
+      step peer ${PEER_LIMIT:-400} python -m pytest -p no:cacheprovider -q bench/test_chain.py -k vs_peer \
+        --benchmark-json="$OUT/peer.json" --benchmark-columns=median,iqr,rounds ;;
     ncu)  # Nsight Compute: NCU_STAGE's CuTe kernel (default b1 without a state): the details page
           # and the per-instruction SASS table (stall samples) come back. NCU_FLA=1 adds fla's
           # kernel (NCU_K must then match it): fla autotunes under ncu unless its choices for that

@@ -9,11 +9,16 @@ Checks, and prints every --every calls (a progress line with the figures):
     (compared by fp64 fingerprints: plain and position-weighted sums of every tensor);
   - GPU memory allocated / reserved and host RSS flat once every shape was met once (the first
     round), the call caches' compiled-kernel counts no higher than the distinct kernel configs,
-    the view-level entries and the dispatch log bounded.
+    the view-level entries and the dispatch log bounded;
+  - at the end, a fresh process (`--replay`) computes every distinct shape once and must give
+    the same fingerprints as this process's first call of it (no state carried in a process
+    changes a result: caches, autotune, the allocator's reuse).
 
-Writes soak.json (the curves) and soak.png (memory and RSS against the call) under --out.
+Writes soak.json (the curves and each shape's fingerprint) and soak.png (memory and RSS against
+the call) under --out.
 
     python bench/soak.py [--calls 1000] [--every 100] [--out /tmp/soak]
+    python bench/soak.py --replay /tmp/soak/soak.json      (what the soak runs at its end)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import gc
 import json
 import random
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,13 +67,38 @@ def fingerprint(ts) -> list[float]:
     return torch.stack(sums).tolist()
 
 
+def _seed(key) -> int:
+    # a seed per shape, the same in every process (hash() of a tuple of ints is not salted)
+    return hash(key) % 2**31
+
+
+def replay(path: Path) -> int:
+    """Recompute each shape of a soak's soak.json once in this (fresh) process and compare with
+    the fingerprints the soak recorded at that shape's first call: 0 when all equal."""
+    rec = json.loads(path.read_text())["fingerprints"]
+    bad = 0
+    t0 = time.perf_counter()
+    for key, want in rec:
+        B, T, H, HV = key
+        got = fingerprint(step(B, T, H, HV, seed=_seed(tuple(key))))
+        if got != want:
+            bad += 1
+            print(f"replay: B{B} T{T} H{H} HV{HV} differs from the soak's first call", flush=True)
+    print(f"replay: {len(rec)} shapes in a fresh process in {time.perf_counter() - t0:.1f} s, "
+          f"{bad} differ", flush=True)
+    return 1 if bad else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="/tmp/soak")
+    ap.add_argument("--replay", type=Path, default=None, help="a soak.json to recompute in this process")
     a = ap.parse_args()
+    if a.replay is not None:
+        return replay(a.replay)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(a.seed)
@@ -84,7 +115,7 @@ def main() -> int:
     t_start = time.perf_counter()
     for i, (B, T, (H, HV)) in enumerate(shapes):
         t0 = time.perf_counter()
-        res = step(B, T, H, HV, seed=hash((B, T, H, HV)) % 2**31)
+        res = step(B, T, H, HV, seed=_seed((B, T, H, HV)))
         if not all(torch.isfinite(t).all() for t in res):
             bad.append(f"call {i}: non-finite output at B{B} T{T} H{H} HV{HV}")
         key = (B, T, H, HV)
@@ -119,9 +150,13 @@ def main() -> int:
         bad.append(f"memory grew after every shape was met: {growth}")
     if len(dispatch_log()) > dispatch_log().maxlen:
         bad.append("dispatch log unbounded")
-    (out / "soak.json").write_text(
-        json.dumps({"shapes": shapes, "curve": curve, "growth": growth, "problems": bad})
-    )
+    (out / "soak.json").write_text(json.dumps({
+        "shapes": shapes, "curve": curve, "growth": growth, "problems": bad,
+        "fingerprints": [[list(k), fp] for k, fp in seen.items()],
+    }))
+    print("soak: recomputing every shape in a fresh process", flush=True)
+    if subprocess.run([sys.executable, __file__, "--replay", str(out / "soak.json")]).returncode:
+        bad.append("a fresh process gives a different result for some shape (see replay above)")
     try:
         import matplotlib
 
