@@ -13,7 +13,7 @@ inverse is, beta in (0, 1)). kda_cute is imported inside the functions only.
 import torch
 
 from .ext_wy import WyCTA, wy_program
-from .memory import global_memory, readback
+from .launch import run_grid
 
 THREADS = 512
 
@@ -30,19 +30,9 @@ def emulate_wy_dqkg(text, args, ctas=None):
     outs = wy_dqkg._outputs(q, v, "cpu")
     for t in outs:
         t.fill_(float("nan"))
-    tensors = [*args, *outs]
-    assert len(prog.params) == len(tensors), (len(prog.params), len(tensors))
-    gmem, bases = global_memory(tensors)
-    params = {}
-    for (name, _size), t, base in zip(prog.params, tensors, bases, strict=True):
-        params[(name, 0)] = base
-        params[(name, 8)] = (t.shape[1] << 32) | t.shape[0]
-        params[(name, 16)] = t.stride(0)
     if ctas is None:
         ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
-    for cta in ctas:
-        WyCTA(prog, gmem, params, cta, ntid=THREADS).run()
-    return [readback(gmem, t, base) for t, base in zip(outs, bases[len(args):], strict=True)]
+    return run_grid(prog, [*args, *outs], ctas, WyCTA, THREADS)[len(args):]
 
 
 def wy_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtype=None, gmin=-0.3, seed=0):

@@ -1,0 +1,660 @@
+"""kda_cute_prep: the forward's chunk-parallel intra-chunk factors on sm_90 (fla 0.6.0's
+`chunk_kda_fwd_intra`: token-parallel intra, inter + solve_tril, recompute_w_u; the chain's
+stage `fwd_intra`).
+
+Per chunk of BT = 64 tokens and value head hv (g the log2 chunk-local cumsum of the gate, rows
+r >= s, D_rs = exp2(g_r - g_s) per key column, gl = g at the chunk's last row):
+
+    Aqk_rs = scale sum_d q_r k_s D_rs          (r >= s; zero above the diagonal)
+    L_rs   = beta_r sum_d k_r k_s D_rs          (r > s)
+    Akk    = (I + L)^-1                          (unit lower triangular; zero above)
+    w = bf16(Akk) bf16(beta k exp2(g))        u = bf16(Akk) bf16(beta v)
+    kg = k exp2(gl - g)                       qg = q exp2(g)   (only with want_qg)
+
+CTA decomposition: one CTA per (chunk, hv, b), grid (T / 64, HV, B), 512 threads (16 warps), one
+CTA per SM. Phases, each ended by a barrier:
+  0. cp.async: q, k, g (one group), then the first two 64-wide V tiles (their own groups, in
+     flight until phase 4). All threads: kg, qg out; bf16(k exp2(g)) to smem (w's B operand).
+  1. A. Warps 0-5: the six 16 x 16 blocks below the diagonal blocks, one per warp, as tf32
+     mma.sync m16n8k8 (fla's tl.dot precision), operands computed into registers anchored at
+     the source block's last row: q_r exp2(g_r - gl_j) and k_s exp2(gl_j - g_s), both
+     exponents <= 0 whatever the gate. Warps 8-15: the four diagonal blocks in SIMT fp32, one
+     exp2 per (r, s, d) (a thread: one row, four sources). Aqk (scaled, io) and L (fp32) to smem.
+  2. The solve, SIMT fp32 in smem: each diagonal block's inverse by forward substitution (a
+     thread per column), then the blocks below, one band at a time:
+     X_ij = -X_ii sum_{t=j}^{i-1} L_it X_tj.
+  3. Akk and Aqk out (16-byte rows, zero above the diagonal); bf16(X) to smem (the A operand).
+  4. w = bf16(X) bf16(beta k E), then u = bf16(X) bf16(beta v) per V tile (beta v in place in
+     the ring), on bf16 mma.sync m16n8k16
+     (a 4 x 4 warp grid over the 64-row tile), operands by ldmatrix; the next V tile's cp.async
+     flies under this tile's mma. w and u leave from the C fragments as bf16 pairs.
+
+Layouts: global as fla (q, k [B, T, H, K]; v, u [B, T, HV, V]; gk, w, qg, kg [B, T, HV, K];
+Aqk, Akk [B, T, HV, 64]; beta [B, T, HV]). smem: q, k rows padded to 136 elements, g to 132
+floats, L / X to 68 floats (16-byte rows for the vector reads, conflict-light SIMT columns);
+the mma operands (bf16(X), bf16(beta k E), the V ring) in 128-byte-swizzled 64-column rows.
+smem: q, k 34 KB + g 33 + L, X 34 + Aqk 9 + operands 24 + V ring 16 = ~152 KB.
+
+Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (want_qg):
+
+    read    q, k 1.074 GB, g 1.074, v 1.074, beta 0.004                        3.23 GB
+    write   w, qg, kg 1.611 GB, u 1.074, Aqk, Akk 0.537                         3.22 GB
+    total   6.45 GB: 1.61 ms at 4.0 TB/s
+
+Constraints: K = 128; V % 64 == 0; T % 64 == 0 (a ragged last chunk is refused); HV % H == 0;
+q, k, v one dtype (bf16 or fp16); beta bf16 / fp16 / fp32; gk fp32; contiguous, 16-byte aligned;
+no varlen. `scale` and `want_qg` are part of the compile key.
+
+Validated on CPU by the PTX interpreter (tests/kda_cute/test_prep_compile.py, ptxsim.kda_prep)
+against float64 and fla's roundings.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ._common.cache import CallCache, alloc
+from ._common.lazy import cutlass_dtype
+from ._common.support import compile_arch, device_reason
+
+BT = 64  # chunk
+BC = 16  # diagonal block
+BV = 64  # V tile
+THREADS = 512
+STAGES = 2
+SUPPORTED_K = (128,)
+QPAD = 8  # q, k smem row padding (elements): 16-byte rows, rows 16 bytes apart in the banks
+GPAD = 4  # g rows (floats)
+XPAD = 4  # L, X rows (floats)
+APAD = 8  # Aqk staging rows (elements)
+
+_cache = CallCache("kda_cute_prep")
+
+
+class KdaPrep:
+    """See the module docstring. io: q / k / v dtype; beta_dtype: beta's."""
+
+    def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_qg: bool):
+        self.io_dtype = io_dtype
+        self.beta_dtype = beta_dtype
+        self.K = K
+        self.V = V
+        self.NV = V // BV
+        self.gsize = gsize
+        self.scale = float(scale)
+        self.want_qg = want_qg
+
+
+def _build_kernel_class():
+    """Defined lazily so importing this module does not import the DSL (seconds)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass._mlir.dialects import arith
+    from cutlass.cute.nvgpu import cpasync, warp
+    from cutlass.cutlass_dsl import T
+
+    f32 = cutlass.Float32
+
+    def _exp2(x):
+        return cute.math.exp2(x, fastmath=True)
+
+    def _tf32(x):
+        """x rounded to tf32 (nearest, ties away) as its bit pattern: the mma reads the top 19
+        bits, so adding half a tf32 ulp rounds (fla's tl.dot converts with cvt.rna)."""
+        return cutlass.Int32(arith.bitcast(T.i32(), f32(x).ir_value())) + 0x1000
+
+    def _gmem(t):
+        """t (a DLPack view: generic address space) as a global-memory tensor (cp.async needs it)."""
+        ptr = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+        return cute.make_tensor(ptr, t.layout)
+
+    class _Kernel(KdaPrep):
+        @cute.jit
+        def __call__(
+            self,
+            mQ: cute.Tensor,  # [B, T, H, K] io
+            mK: cute.Tensor,
+            mV: cute.Tensor,  # [B, T, HV, V] io
+            mG: cute.Tensor,  # [B, T, HV, K] f32
+            mBeta: cute.Tensor,  # [B, T, HV]
+            mW: cute.Tensor,  # outputs: [B, T, HV, K] io
+            mU: cute.Tensor,  # [B, T, HV, V] io
+            mQg: cute.Tensor,  # [B, T, HV, K] io (kg's storage when not want_qg: never written)
+            mKg: cute.Tensor,  # [B, T, HV, K] io
+            mAqk: cute.Tensor,  # [B, T, HV, BT] io
+            mAkk: cute.Tensor,  # [B, T, HV, BT] io
+            stream,
+        ):
+            B = cute.size(mG, mode=[0])
+            T_ = cute.size(mG, mode=[1])
+            HV = cute.size(mG, mode=[2])
+            kernel = self.kda_cute_prep(mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk)
+            kernel.launch(grid=(T_ // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=1,
+                          preferred_smem_carveout=100, stream=stream)
+
+        @cute.jit
+        def _below_diagonal(self, sQ, sK, sG, sBeta, sAqk, sL, p, lane):
+            """Block (i, j), i > j, of Aqk and L on one warp: p -> (1,0) (2,0) (2,1) (3,0) (3,1)
+            (3,2); tf32 mma m16n8k8 over K, anchored at block j's last row."""
+            K = self.K
+            io = self.io_dtype
+            bi = 1 + (p + 5) // 6 + (p + 3) // 6  # 1 2 2 3 3 3
+            bj = p - (bi * (bi - 1)) // 2  # 0 0 1 0 1 2
+            r0 = bi * BC
+            s0 = bj * BC
+            sl = s0 + BC - 1
+            tmma = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
+            thr = tmma.get_slice(lane)
+            cA = thr.partition_A(cute.make_identity_tensor((BC, 8)))  # (m, k) per register
+            cB = thr.partition_B(cute.make_identity_tensor((BC, 8)))  # (n, k)
+            cC = thr.partition_C(cute.make_identity_tensor((BC, BC)))  # (m, n)
+            fAq = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
+            fAk = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
+            fB = cute.make_rmem_tensor(cB.shape, cutlass.TFloat32)
+            fAqi = cute.recast_tensor(fAq, cutlass.Int32)
+            fAki = cute.recast_tensor(fAk, cutlass.Int32)
+            fBi = cute.recast_tensor(fB, cutlass.Int32)
+            accq = cute.make_rmem_tensor(cC.shape, f32)
+            acck = cute.make_rmem_tensor(cC.shape, f32)
+            accq.fill(0.0)
+            acck.fill(0.0)
+            for k0 in cutlass.range(0, K, 8, unroll=2):
+                for ei in cutlass.range_constexpr(cute.size(cA)):
+                    ma, ka = cA[ei]
+                    e = _exp2(sG[r0 + ma, k0 + ka] - sG[sl, k0 + ka])
+                    fAqi[ei] = _tf32(f32(sQ[r0 + ma, k0 + ka]) * e)
+                    fAki[ei] = _tf32(f32(sK[r0 + ma, k0 + ka]) * e)
+                for ei in cutlass.range_constexpr(cute.size(cB)):
+                    nb, kb = cB[ei]
+                    fBi[ei] = _tf32(f32(sK[s0 + nb, k0 + kb]) * _exp2(sG[sl, k0 + kb] - sG[s0 + nb, k0 + kb]))
+                cute.gemm(tmma, accq, fAq, fB, accq)
+                cute.gemm(tmma, acck, fAk, fB, acck)
+            for ei in cutlass.range_constexpr(cute.size(cC)):
+                mc, nc = cC[ei]
+                sAqk[r0 + mc, s0 + nc] = io(accq[ei] * self.scale)
+                sL[r0 + mc, s0 + nc] = acck[ei] * sBeta[r0 + mc]
+
+        @cute.jit
+        def _diagonal(self, sQ4, sK4, sG4, sBeta, sAqk, sL, tt):
+            """The diagonal blocks of Aqk and L in SIMT fp32, one exp2 per (r, s, d): thread tt
+            (0..255) owns block tt / 64, row (tt / 4) % 16, sources sq, sq + 4, sq + 8, sq + 12
+            (sq = tt % 4) up to the row."""
+            io = self.io_dtype
+            blk = tt // 64
+            r = (tt // 4) % BC
+            sq = tt % 4
+            rr = blk * BC + r
+            aq = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            ak = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            aq.fill(0.0)
+            ak.fill(0.0)
+            # the row's 4 columns, in registers (a TensorSSA's elements extracted under one
+            # branch would not dominate the next branch's uses)
+            qr = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            kr = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            gr = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            for c4 in cutlass.range(self.K // 4, unroll=2):
+                qr.store(sQ4[rr, c4, None].load().to(f32))
+                kr.store(sK4[rr, c4, None].load().to(f32))
+                gr.store(sG4[rr, c4, None].load())
+                for mm in cutlass.range_constexpr(4):
+                    if sq + 4 * mm <= r:
+                        self._diag_step(sK4, sG4, aq, ak, qr, kr, gr, blk * BC + sq + 4 * mm, c4, mm)
+            for mm in cutlass.range_constexpr(4):
+                if sq + 4 * mm <= r:
+                    sAqk[rr, blk * BC + sq + 4 * mm] = io(aq[mm] * self.scale)
+                    sL[rr, blk * BC + sq + 4 * mm] = ak[mm] * sBeta[rr]
+
+        @cute.jit
+        def _diag_step(self, sK4, sG4, aq, ak, qr, kr, gr, ss, c4, mm: cutlass.Constexpr):
+            """aq[mm] += sum over 4 columns of q_r k_s D_rs, ak[mm] likewise with k_r."""
+            ks = sK4[ss, c4, None].load().to(f32)
+            gs = sG4[ss, c4, None].load()
+            for i in cutlass.range_constexpr(4):
+                kx = ks[i] * _exp2(gr[i] - gs[i])
+                aq[mm] = aq[mm] + qr[i] * kx
+                ak[mm] = ak[mm] + kr[i] * kx
+
+        @cute.jit
+        def _invert_diagonal(self, sL, sX, t):
+            """Column t % 16 of diagonal block t / 16 of X = (I + L)^-1 by forward substitution
+            (x above the column stays zero)."""
+            db = (t // BC) * BC
+            c = t % BC
+            xc = cute.make_rmem_tensor(cute.make_layout(BC), f32)
+            for m in cutlass.range_constexpr(BC):
+                xc[m] = f32(0.0)
+                if m == c:
+                    xc[m] = f32(1.0)
+            for m in cutlass.range_constexpr(1, BC):
+                acc = f32(0.0)
+                for t2 in cutlass.range_constexpr(m):
+                    acc = acc + sL[db + m, db + t2] * xc[t2]
+                if m > c:
+                    xc[m] = -acc
+            for m in cutlass.range_constexpr(BC):
+                sX[db + m, db + c] = xc[m]
+
+        @cute.jit
+        def _band_sum(self, sL, sX, sT, lev: cutlass.Constexpr, bk, e):
+            """T = sum_{t=j}^{i-1} L_it X_tj for block (i, j) = (lev + bk, bk), element e."""
+            i0 = (lev + bk) * BC
+            j0 = bk * BC
+            em = e // BC
+            en = e % BC
+            acc = f32(0.0)
+            for u in cutlass.range(j0, i0, unroll=4):
+                acc = acc + sL[i0 + em, u] * sX[u, j0 + en]
+            sT[bk, em, en] = acc
+
+        @cute.jit
+        def _band_solve(self, sX, sT, lev: cutlass.Constexpr, bk, e):
+            """X_ij = -X_ii T for block (i, j) = (lev + bk, bk), element e."""
+            i0 = (lev + bk) * BC
+            j0 = bk * BC
+            em = e // BC
+            en = e % BC
+            acc = f32(0.0)
+            for u in cutlass.range_constexpr(BC):
+                acc = acc + sX[i0 + em, i0 + u] * sT[bk, u, en]
+            sX[i0 + em, j0 + en] = -acc
+
+        @cute.kernel
+        def kda_cute_prep(
+            self,
+            mQ: cute.Tensor,
+            mK: cute.Tensor,
+            mV: cute.Tensor,
+            mG: cute.Tensor,
+            mBeta: cute.Tensor,
+            mW: cute.Tensor,
+            mU: cute.Tensor,
+            mQg: cute.Tensor,
+            mKg: cute.Tensor,
+            mAqk: cute.Tensor,
+            mAkk: cute.Tensor,
+        ):
+            K = self.K
+            NV = self.NV
+            io = self.io_dtype
+            scale = self.scale
+            mQ, mK, mV, mG, mW, mU, mQg, mKg, mAqk, mAkk = (
+                _gmem(t) for t in (mQ, mK, mV, mG, mW, mU, mQg, mKg, mAqk, mAkk))
+            tidx, _, _ = cute.arch.thread_idx()
+            t_idx, hv, b = cute.arch.block_idx()
+            h = hv // self.gsize
+            row0 = t_idx * BT
+            lane = tidx % 32
+            wid = tidx // 32
+
+            # ---------------- global tiles
+            gQ = cute.local_tile(mQ[b, None, h, None], (BT, K), (t_idx, 0))
+            gK = cute.local_tile(mK[b, None, h, None], (BT, K), (t_idx, 0))
+            gG = cute.local_tile(mG[b, None, hv, None], (BT, K), (t_idx, 0))
+            gV = cute.local_tile(mV[b, None, hv, None], (BT, BV), (t_idx, None))
+            gW = cute.local_tile(mW[b, None, hv, None], (BT, K), (t_idx, 0))
+            gU = cute.local_tile(mU[b, None, hv, None], (BT, BV), (t_idx, None))
+            gQg = cute.local_tile(mQg[b, None, hv, None], (BT, K), (t_idx, 0))
+            gKg = cute.local_tile(mKg[b, None, hv, None], (BT, K), (t_idx, 0))
+            gAqk = cute.local_tile(mAqk[b, None, hv, None], (BT, BT), (t_idx, 0))
+            gAkk = cute.local_tile(mAkk[b, None, hv, None], (BT, BT), (t_idx, 0))
+
+            # ---------------- shared memory
+            smem = cutlass.memory.SmemAllocator()
+            atom = cute.make_composed_layout(
+                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+            )
+            l64 = cute.tile_to_shape(atom, (BT, BT), (0, 1))
+            l64s = cute.tile_to_shape(atom, (BT, BV, STAGES), (0, 1, 2))
+            lk = cute.tile_to_shape(atom, (BT, K), (0, 1))
+            QS = K + QPAD
+            GS = K + GPAD
+            XS = BT + XPAD
+            AS = BT + APAD
+            sV = smem.allocate_tensor(io, l64s, 1024)
+            sAb = smem.allocate_tensor(io, l64, 1024)  # bf16(X): w's and u's A operand
+            sKE = smem.allocate_tensor(io, lk, 1024)  # bf16(beta k exp2(g)): w's B operand
+            sQ = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(QS, 1)), 16)
+            sK = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(QS, 1)), 16)
+            sG = smem.allocate_tensor(f32, cute.make_layout((BT, K), stride=(GS, 1)), 16)
+            sL = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 16)
+            sX = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 16)
+            sT = smem.allocate_tensor(f32, cute.make_layout((3, BC, BC), stride=(BC * BC, BC, 1)), 16)
+            sAqk = smem.allocate_tensor(io, cute.make_layout((BT, BT), stride=(AS, 1)), 16)
+            sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
+            # vector views along the contiguous mode: 8 x 16-bit / 4 x fp32 = 16 bytes
+            sQ8 = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // 8, 8), stride=(QS, 8, 1)))
+            sK8 = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // 8, 8), stride=(QS, 8, 1)))
+            sQ4 = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // 4, 4), stride=(QS, 4, 1)))
+            sK4 = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // 4, 4), stride=(QS, 4, 1)))
+            sG4 = cute.make_tensor(sG.iterator, cute.make_layout((BT, K // 4, 4), stride=(GS, 4, 1)))
+            sX4 = cute.make_tensor(sX.iterator, cute.make_layout((BT, BT // 4, 4), stride=(XS, 4, 1)))
+            sAqk8 = cute.make_tensor(sAqk.iterator, cute.make_layout((BT, BT // 8, 8), stride=(AS, 8, 1)))
+
+            # ---------------- phase 0: cp.async loads (16 bytes per thread per copy)
+            g2s = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+            cp_io = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(g2s, io, num_bits_per_copy=128),
+                cute.make_layout((THREADS // 8, 8), stride=(8, 1)),
+                cute.make_layout((1, 8)),
+            )
+            cp_f32 = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(g2s, f32, num_bits_per_copy=128),
+                cute.make_layout((THREADS // 32, 32), stride=(32, 1)),
+                cute.make_layout((1, 4)),
+            )
+            tio = cp_io.get_slice(tidx)
+            tf = cp_f32.get_slice(tidx)
+            tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
+            groups = []
+            cute.copy(cp_io, tio.partition_S(gQ), tio.partition_D(sQ))
+            cute.copy(cp_io, tio.partition_S(gK), tio.partition_D(sK))
+            cute.copy(cp_f32, tf.partition_S(gG), tf.partition_D(sG))
+            cute.arch.cp_async_commit_group()
+            groups.append("qkg")
+            for iv in cutlass.range_constexpr(min(STAGES, NV)):
+                cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
+                cute.arch.cp_async_commit_group()
+                groups.append(iv)
+            if tidx < BT:
+                sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
+            cute.arch.cp_async_wait_group(len(groups) - 1)
+            cute.arch.sync_threads()
+
+            # 16-byte stores of 8 x 16-bit values: smem / gmem rows of a (rows, 64 or K) tile
+            uni = cute.nvgpu.CopyUniversalOp()
+            st8 = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(uni, io, num_bits_per_copy=128),
+                cute.make_layout((THREADS // 8, 8), stride=(8, 1)),
+                cute.make_layout((1, 8)),
+            )
+            t8 = st8.get_slice(tidx)
+
+            # kg, qg out; bf16(beta k E) to smem: 8 columns per thread per step
+            cK = t8.partition_D(cute.make_identity_tensor((BT, K)))
+            tKg = t8.partition_D(gKg)
+            tQg = t8.partition_D(gQg)
+            tKE = t8.partition_D(sKE)
+            for m in cutlass.range_constexpr(cute.size(cK, mode=[1])):
+                for n in cutlass.range_constexpr(cute.size(cK, mode=[2])):
+                    r, d0 = cK[0, m, n]
+                    c8 = d0 // 8
+                    kv = sK8[r, c8, None].load().to(f32)
+                    rkg = cute.make_fragment_like(tKg[None, m, n])
+                    rke = cute.make_fragment_like(tKE[None, m, n])
+                    rqg = cute.make_fragment_like(tQg[None, m, n])
+                    qv = sQ8[r, c8, None].load().to(f32)
+                    br = sBeta[r]
+                    for hlf in cutlass.range_constexpr(2):
+                        gv = sG4[r, 2 * c8 + hlf, None].load()
+                        gl = sG4[BT - 1, 2 * c8 + hlf, None].load()
+                        for i in cutlass.range_constexpr(4):
+                            e = _exp2(gv[i])
+                            j8 = 4 * hlf + i
+                            rkg[j8] = io(kv[j8] * _exp2(gl[i] - gv[i]))
+                            rke[j8] = io(kv[j8] * br * e)
+                            rqg[j8] = io(qv[j8] * e)
+                    cute.copy(st8, rkg, tKg[None, m, n])
+                    cute.copy(st8, rke, tKE[None, m, n])
+                    if cutlass.const_expr(self.want_qg):
+                        cute.copy(st8, rqg, tQg[None, m, n])
+
+            # ---------------- phase 1: Aqk and L
+            if wid < 6:
+                self._below_diagonal(sQ, sK, sG, sBeta, sAqk, sL, wid, lane)
+            if wid >= 8:
+                self._diagonal(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx - 256)
+            cute.arch.sync_threads()
+
+            # ---------------- phase 2: X = (I + L)^-1
+            if tidx < BT:
+                self._invert_diagonal(sL, sX, tidx)
+            cute.arch.sync_threads()
+            half = tidx // 256
+            for lev in cutlass.range_constexpr(1, BT // BC):
+                nblk = BT // BC - lev  # blocks (i, i - lev), i = lev ..
+                for q in cutlass.range_constexpr((nblk + 1) // 2):
+                    if 2 * q + half < nblk:
+                        self._band_sum(sL, sX, sT, lev, 2 * q + half, tidx % 256)
+                cute.arch.sync_threads()
+                for q in cutlass.range_constexpr((nblk + 1) // 2):
+                    if 2 * q + half < nblk:
+                        self._band_solve(sX, sT, lev, 2 * q + half, tidx % 256)
+                cute.arch.sync_threads()
+
+            # ---------------- phase 3: Akk, Aqk out; bf16(X) to smem
+            cA64 = t8.partition_D(cute.make_identity_tensor((BT, BT)))
+            tAkk = t8.partition_D(gAkk)
+            tAqk = t8.partition_D(gAqk)
+            tAb = t8.partition_D(sAb)
+            for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
+                for n in cutlass.range_constexpr(cute.size(cA64, mode=[2])):
+                    r, s0 = cA64[0, m, n]
+                    rkk = cute.make_fragment_like(tAkk[None, m, n])
+                    rab = cute.make_fragment_like(tAb[None, m, n])
+                    rqk = cute.make_fragment_like(tAqk[None, m, n])
+                    aqv = sAqk8[r, s0 // 8, None].load()
+                    for hlf in cutlass.range_constexpr(2):
+                        xv = sX4[r, s0 // 4 + hlf, None].load()
+                        for i in cutlass.range_constexpr(4):
+                            j8 = 4 * hlf + i
+                            s = s0 + j8
+                            xi = f32(xv[i])
+                            ai = f32(aqv[j8])
+                            xs = f32(0.0)
+                            aqs = f32(0.0)
+                            if s <= r:
+                                xs = xi
+                                aqs = ai
+                            rkk[j8] = io(xs)
+                            rab[j8] = io(xs)
+                            rqk[j8] = io(aqs)
+                    cute.copy(st8, rkk, tAkk[None, m, n])
+                    cute.copy(st8, rab, tAb[None, m, n])
+                    cute.copy(st8, rqk, tAqk[None, m, n])
+            cute.arch.sync_threads()
+
+            # ---------------- phase 4: w = Ab KE, u = Ab v (bf16 mma.sync, 4 x 4 warps)
+            tiled_mma = cute.make_tiled_mma(
+                warp.MmaF16BF16Op(io, f32, (16, 8, 16)), (4, 4, 1), permutation_mnk=(64, 64, 16)
+            )
+            thr = tiled_mma.get_slice(tidx)
+            ld_n = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), io)
+            ld_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), io)
+            tcAn = cute.make_tiled_copy_A(ld_n, tiled_mma)
+            tcBt = cute.make_tiled_copy_B(ld_t, tiled_mma)
+            cpAn = tcAn.get_slice(tidx)
+            cpBt = tcBt.get_slice(tidx)
+            st_c16 = cute.make_tiled_copy_C(cute.make_copy_atom(uni, io, num_bits_per_copy=32), tiled_mma)
+            tsc16 = st_c16.get_slice(tidx)
+
+            rAb = thr.make_fragment_A(thr.partition_A(sAb))
+            vAb = cpAn.retile(rAb)
+            pAb = cpAn.partition_S(sAb)
+            sKET = cute.composition(sKE, cute.make_layout((K, BT), stride=(BT, 1)))  # [d, s]
+            rKE = thr.make_fragment_B(thr.partition_B(sKET))
+            vKE = cpBt.retile(rKE)
+            pKE = cpBt.partition_S(sKET)
+            acc_w = cute.make_rmem_tensor(thr.partition_shape_C((BT, K)), f32)
+            acc_w.fill(0.0)
+            for kb in cutlass.range_constexpr(BT // 16):
+                cute.copy(tcAn, pAb[None, None, kb], vAb[None, None, kb])
+                cute.copy(tcBt, pKE[None, None, kb], vKE[None, None, kb])
+                cute.gemm(tiled_mma, acc_w, rAb[None, None, kb], rKE[None, None, kb], acc_w)
+            rw = cute.make_fragment_like(acc_w, io)
+            rw.store(acc_w.load().to(io))
+            cute.copy(st_c16, tsc16.retile(rw), tsc16.partition_D(gW))
+
+            tr64 = cute.make_layout((BV, BT), stride=(BT, 1))  # [v, s] of a (s, v) tile
+            rVT = thr.make_fragment_B(thr.partition_B(cute.composition(sV[None, None, 0], tr64)))
+            vVT = cpBt.retile(rVT)
+            tVb = t8.partition_D(sV)  # (8 values, 1, 1, stage)
+            cV = t8.partition_D(cute.make_identity_tensor((BT, BV)))
+            for iv in cutlass.range_constexpr(NV):
+                st = iv % STAGES
+                cute.arch.cp_async_wait_group(len(groups) - 1 - groups.index(iv))
+                cute.arch.sync_threads()
+                # bf16(beta v) in place (fla's rounding point), one 16-byte row piece per thread
+                rv = cute.make_fragment_like(tVb[None, 0, 0, st])
+                cute.copy(st8, tVb[None, 0, 0, st], rv)
+                vb = rv.load().to(f32)
+                bs = sBeta[cV[0, 0, 0][0]]
+                rv.store((vb * bs).to(io))
+                cute.copy(st8, rv, tVb[None, 0, 0, st])
+                cute.arch.sync_threads()
+                pVT = cpBt.partition_S(cute.composition(sV[None, None, st], tr64))
+                acc_u = cute.make_rmem_tensor(thr.partition_shape_C((BT, BV)), f32)
+                acc_u.fill(0.0)
+                for kb in cutlass.range_constexpr(BT // 16):
+                    cute.copy(tcAn, pAb[None, None, kb], vAb[None, None, kb])
+                    cute.copy(tcBt, pVT[None, None, kb], vVT[None, None, kb])
+                    cute.gemm(tiled_mma, acc_u, rAb[None, None, kb], rVT[None, None, kb], acc_u)
+                ru = cute.make_fragment_like(acc_u, io)
+                ru.store(acc_u.load().to(io))
+                cute.copy(st_c16, tsc16.retile(ru), tsc16.partition_D(gU[None, None, iv]))
+                if cutlass.const_expr(iv + STAGES < NV):
+                    cute.arch.sync_threads()  # every warp is done reading stage st
+                    cute.copy(cp_io, tVg[None, None, None, iv + STAGES], tVs[None, None, None, st])
+                    cute.arch.cp_async_commit_group()
+                    groups.append(iv + STAGES)
+
+    return _Kernel
+
+
+_kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL import) on first use
+
+
+# ----------------------------------------------------------------------------------- host side
+_IO = (torch.bfloat16, torch.float16)
+_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_NAMES = ("q", "k", "v", "gk", "beta")
+
+
+def _hard_reason(q, k, v, gk, beta, chunk_size) -> str | None:
+    """Why the kernel cannot compute this call at all (shape, dtype, layout), or None."""
+    if chunk_size != BT:
+        return f"chunk_size={chunk_size} (kernel built for {BT})"
+    if q.dim() != 4 or k.shape != q.shape:
+        return f"q/k must be [B,T,H,K] of one shape; got {tuple(q.shape)} / {tuple(k.shape)}"
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        return f"v must be [B,T,HV,V]; got {tuple(v.shape)}"
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        return f"HV={HV} not a multiple of H={H}"
+    if K not in SUPPORTED_K:
+        return f"K={K} (kernel built for K in {SUPPORTED_K})"
+    if V % BV:
+        return f"V={V} not a multiple of {BV}"
+    if T % BT:
+        return f"T={T} not a multiple of the chunk {BT} (ragged last chunk not implemented)"
+    if gk.shape != (B, T, HV, K):
+        return f"gk must be [B,T,HV,K]; got {tuple(gk.shape)}"
+    if beta.shape != (B, T, HV):
+        return f"beta must be [B,T,HV]; got {tuple(beta.shape)}"
+    if q.dtype not in _IO:
+        return f"q dtype {q.dtype} (bf16 or fp16 expected)"
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            return f"{name} dtype {t.dtype} != q's {q.dtype}"
+    if gk.dtype != torch.float32:
+        return f"gk must be float32; got {gk.dtype}"
+    if beta.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"beta dtype {beta.dtype} (bf16 / fp16 / fp32 expected)"
+    args = (q, k, v, gk, beta)
+    for name, t in zip(_NAMES, args, strict=True):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    if len({t.device for t in args}) != 1:
+        return "tensors on different devices"
+    return device_reason(q)
+
+
+def is_supported(q, k, v, gk, beta, scale, chunk_size=BT, want_qg=False) -> str | None:
+    """None when `fwd_intra` runs the CuTe kernel on these arguments, else the reason it would not."""
+    return _hard_reason(q, k, v, gk, beta, chunk_size)
+
+
+@dataclass(frozen=True)
+class PrepConfig:
+    """Everything the compiled kernel depends on: the call cache's compile key. H and HV are
+    static extents of the views (row strides become immediates); B and T are dynamic."""
+
+    io_dtype: str  # "bf16" / "fp16"
+    beta_dtype: str  # "bf16" / "fp16" / "fp32"
+    K: int
+    V: int
+    H: int
+    HV: int
+    scale: float
+    want_qg: bool
+    arch: str
+
+
+def _config(q, v, beta, scale, want_qg) -> PrepConfig:
+    return PrepConfig(_DT[q.dtype], _DT[beta.dtype], q.shape[3], v.shape[3], q.shape[2], v.shape[2],
+                      float(scale), bool(want_qg), compile_arch())
+
+
+def _outputs(q, v, want_qg, device):
+    """w, u, qg (None unless want_qg), kg, Aqk, Akk: fresh, in q's dtype."""
+    B, T, HV, V = v.shape
+    K = q.shape[3]
+    io = q.dtype
+    return (
+        alloc((B, T, HV, K), io, device),  # w
+        alloc((B, T, HV, V), io, device),  # u
+        alloc((B, T, HV, K), io, device) if want_qg else None,  # qg
+        alloc((B, T, HV, K), io, device),  # kg
+        alloc((B, T, HV, BT), io, device),  # Aqk
+        alloc((B, T, HV, BT), io, device),  # Akk
+    )
+
+
+def _kernel_args(q, k, v, gk, beta, outs):
+    """The kernel's eleven tensors: without want_qg, kg's storage stands in for qg (never written)."""
+    w, u, qg, kg, aqk, akk = outs
+    return (q, k, v, gk, beta, w, u, kg if qg is None else qg, kg, aqk, akk)
+
+
+def _build(views, stream, cfg: PrepConfig, options: str = ""):
+    import cutlass.cute as cute
+
+    kern = _kernel_class()(
+        cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
+        cfg.want_qg,
+    )
+    return cute.compile(kern, *views, stream, options=options)
+
+
+def compile_for(q, k, v, gk, beta, scale, want_qg=True, keep_ptx=False):
+    """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
+    import cuda.bindings.driver as cuda
+
+    from ._common.cache import cute_view
+
+    args = _kernel_args(q, k, v, gk, beta, _outputs(q, v, want_qg, q.device))
+    views = [cute_view(t, (0, 1)) for t in args]
+    cfg = _config(q, v, beta, scale, want_qg)
+    return _build(views, cuda.CUstream(0), cfg, "--keep-ptx" if keep_ptx else "")
+
+
+def fwd_intra(q, k, v, gk, beta, scale, chunk_size=BT, want_qg=False):
+    """fla's chunk_kda_fwd_intra (chunk 64) -> (w, u, qg or None, kg, Aqk, Akk), fresh outputs."""
+    reason = _hard_reason(q, k, v, gk, beta, chunk_size)
+    if reason is not None:
+        raise ValueError(f"kda_cute.prep.fwd_intra: unsupported call: {reason}")
+    return launch(q, k, v, gk, beta, scale, chunk_size, want_qg)
+
+
+def launch(q, k, v, gk, beta, scale, chunk_size=BT, want_qg=False):
+    """`fwd_intra` without its checks: for a caller whose `is_supported` just said None."""
+    outs = _outputs(q, v, want_qg, q.device)
+    args = _kernel_args(q, k, v, gk, beta, outs)
+    cfg = _config(q, v, beta, scale, want_qg)
+    _cache.launch(cfg, args, ((0, 1),) * len(args),
+                  lambda views, stream, opts: _build(views, stream, cfg, opts))
+    return outs

@@ -1,0 +1,182 @@
+"""kda_cute_prep compiles for sm_90a without a GPU, its PTX computes fwd_intra's contract, and
+is_supported gives reasons (CPU, CI).
+
+The compiled PTX runs on CPU in ptxsim (tools/ptxsim: `ptxsim.kda_prep.emulate_prep`, 512
+threads per CTA: tf32 and bf16 / fp16 mma.sync, ldmatrix, cp.async) and every output is checked
+against the float64 reference (`kda_cute.reference.fwd_intra`). The yardstick is fla's own
+error: `_fla_casts` is fla's chunk_kda_fwd_intra in torch float32 with its roundings (Aqk and
+Akk stored in the io dtype, w / u from the io-dtype Akk and io-dtype operands, qg / kg rounded
+once); every output must stay within 2x of that error."""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+P = pytest.importorskip("kda_cute.prep")
+ref = pytest.importorskip("kda_cute.reference")
+from ptxsim.kda import ptx_text  # noqa: E402
+from ptxsim.kda_prep import emulate_prep, prep_inputs  # noqa: E402
+
+NAMES = ("w", "u", "qg", "kg", "Aqk", "Akk")
+SCALE = 128**-0.5
+
+
+def _ptx(compiled):
+    text = ptx_text(compiled)
+    if not text:
+        pytest.skip("this DSL build keeps no PTX on the compiled object")
+    return text
+
+
+def _fla_casts(q, k, v, gk, beta, scale):
+    """fla 0.6.0's chunk_kda_fwd_intra in torch float32 with its roundings; T % 64 == 0."""
+    io = q.dtype
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    NT = T // 64
+
+    def ch(x):  # [B, T, HV, X] -> [B, NT, HV, 64, X] float32
+        return x.float().view(B, NT, 64, x.shape[2], -1).transpose(2, 3)
+
+    def un(x):
+        return x.transpose(2, 3).reshape(B, T, HV, -1).to(io)
+
+    def rd(x):
+        return x.to(io).float()
+
+    qc, kc = (ch(x.repeat_interleave(HV // H, dim=2)) for x in (q, k))
+    vc, gc, bc = ch(v), ch(gk), ch(beta.unsqueeze(-1).float())
+    low = torch.tril(torch.ones(64, 64))
+    diff = gc.unsqueeze(-2) - gc.unsqueeze(-3)  # [.., r, s, K]: g_r - g_s
+    D = torch.exp2(diff.masked_fill(low.unsqueeze(-1) == 0, float("-inf")))  # 0 above: no inf * 0
+    aqk = torch.einsum("...rk,...sk,...rsk->...rs", qc, kc, D) * scale * low
+    L = torch.einsum("...rk,...sk,...rsk->...rs", kc, kc, D) * bc * torch.tril(torch.ones(64, 64), -1)
+    eye = torch.eye(64)
+    akk = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    E = torch.exp2(gc)
+    w = rd(akk) @ rd(kc * bc * E)
+    u = rd(akk) @ rd(vc * bc)
+    qg = qc * E
+    kg = kc * torch.exp2(gc[..., -1:, :] - gc)
+    return un(w), un(u), un(qg), un(kg), un(aqk), un(akk)
+
+
+def _check(got, args, scale, rows=None):
+    """Every output finite (the poison overwritten), zero above the diagonal for Aqk / Akk, and
+    within 2x of fla's error vs float64 (on the chunks `rows` = [(b, t0, hv)] only, when given)."""
+    want = ref.fwd_intra(*[t.double() for t in args], scale, 64, want_qg=True)
+    fla = _fla_casts(*args, scale)
+
+    def sel(x):
+        if rows is None:
+            return x
+        return torch.stack([x[b, t0:t0 + 64, hv] for b, t0, hv in rows])
+
+    errs = {}
+    for name, x, w, f in zip(NAMES, got, want, fla, strict=True):
+        if x is None:
+            continue
+        x, w, f = sel(x), sel(w), sel(f)
+        assert torch.isfinite(x).all(), f"{name}: unwritten (NaN) entries"
+        e, ef = ref.rel_err(x, w), ref.rel_err(f, w)
+        errs[name] = (e, ef)
+        assert e <= 2.0 * ef + 1e-6, (name, e, ef)
+    return errs
+
+
+@pytest.fixture(autouse=True)
+def _sm90a(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+
+
+def test_compiles_for_sm90a_and_the_ptx_computes_the_contract():
+    """bf16, V = 192 (three V tiles: the 2-stage ring refilled once), one CTA, want_qg: the PTX
+    (tf32 and bf16 mma.sync, ldmatrix, cp.async; no local-memory arrays) run by the interpreter
+    matches float64 within 2x of fla's error on every output."""
+    a = prep_inputs(B=1, T=64, H=1, HV=1, V=192, seed=0)
+    text = _ptx(P.compile_for(*a, SCALE, want_qg=True, keep_ptx=True))
+    assert ".entry" in text and "kda_cute_prep" in text.split(".entry", 1)[1].split("(", 1)[0]
+    body = text.split(".entry", 1)[1]
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in body
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in body
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in body
+    assert "cp.async.cg.shared.global" in body
+    assert ".local" not in body, "register arrays fell to local memory"
+    got = emulate_prep(text, a, want_qg=True)
+    errs = _check(got, a, SCALE)
+    for name in ("Aqk", "Akk"):
+        x = got[NAMES.index(name)].float().view(64, 64)
+        assert (x.triu(1) == 0).all(), f"{name} not zero above the diagonal"
+    assert errs.keys() == set(NAMES)
+
+
+def test_gva_batch_and_chunk_indexing_without_qg():
+    """B2 T128 H1 HV2 V64, bf16 beta, want_qg off (qg not written, not returned): the CTA of the
+    second chunk, second value head, second batch (q / k read at head hv // 2) against float64."""
+    a = prep_inputs(B=2, T=128, H=1, HV=2, V=64, seed=1)
+    text = _ptx(P.compile_for(*a, SCALE, want_qg=False, keep_ptx=True))
+    got = emulate_prep(text, a, want_qg=False, ctas=[(1, 1, 1)])
+    assert got[2] is None
+    _check(got, a, SCALE, rows=[(1, 64, 1)])
+
+
+def test_fp16_fp32_beta_strong_gate():
+    """fp16, fp32 beta, gates down to -5 per step in natural log (exp2 arguments stay <= 0 and
+    the diagonal blocks' decays underflow to zero without NaN), V = 64."""
+    a = prep_inputs(B=1, T=64, H=1, HV=1, V=64, dtype=torch.float16, beta_dtype=torch.float32, gmin=-5.0,
+                    seed=2)
+    text = _ptx(P.compile_for(*a, 0.25, want_qg=True, keep_ptx=True))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in text
+    _check(emulate_prep(text, a, want_qg=True), a, 0.25)
+
+
+def test_fla_cast_model_is_the_contract():
+    """The yardstick itself: its float32 error sits at the io-dtype level on every output."""
+    a = prep_inputs(B=1, T=128, H=1, HV=2, V=128, seed=3)
+    errs = _check(_fla_casts(*a, SCALE), a, SCALE)
+    for name, (e, _) in errs.items():
+        assert e < 2**-6, (name, e)
+
+
+def test_is_supported_reasons_on_cpu():
+    a = prep_inputs()
+    assert "CUDA" in P.is_supported(*a, SCALE)  # no GPU here (or tensors on CPU)
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda: prep_inputs(K=64), "K=64"),
+        (lambda: prep_inputs(T=96), "multiple of the chunk"),
+        (lambda: prep_inputs(H=2, HV=3), "HV=3"),
+        (lambda: prep_inputs(V=96), "V=96"),
+        (lambda: prep_inputs(dtype=torch.float32), "bf16 or fp16"),
+    ],
+)
+def test_unsupported_shapes(make, needle):
+    a = make()
+    r = P.is_supported(*a, SCALE)
+    assert r is not None and needle in r, r
+    with pytest.raises(ValueError, match="unsupported call"):
+        P.fwd_intra(*a, SCALE)
+
+
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda a: a.__setitem__(3, a[3].bfloat16()), "float32"),
+        (lambda a: a.__setitem__(4, a[4].double()), "beta dtype"),
+        (lambda a: a.__setitem__(2, a[2].half()), "dtype"),
+        (lambda a: a.__setitem__(0, a[0].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+    ],
+)
+def test_is_supported_rejects(mutate, needle):
+    a = prep_inputs(B=1, T=64, H=2, HV=2, V=64)
+    mutate(a)
+    r = P.is_supported(*a, SCALE)
+    assert r is not None and needle in r, r
+
+
+def test_chunk_size_other_than_64_is_refused():
+    a = prep_inputs()
+    assert "chunk_size=32" in P.is_supported(*a, SCALE, chunk_size=32)
