@@ -3,7 +3,7 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans launch tvmffi train soak tests fp16 bench peer ncu save savecache
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans stages launch tvmffi train soak tests fp16 bench peer ncu save savecache
 #                                     (default: all but fp16, ncu, savecache)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
@@ -55,6 +55,8 @@ for s in $steps; do
       step check_intra 200 python bench/check_intra.py ;;
     scans)  # one process per scan: a hang costs only its own limit
       for st in ${SCAN_STAGES:-b1 fwd dhu}; do step "check_scans_$st" ${SCAN_LIMIT:-150} python bench/check_scans.py --stage $st; done ;;
+    stages)  # the chunk-parallel CuTe stages vs fla on a chain call's arguments (bench/check_stage.py)
+      for st in ${CHECK_STAGES:-fwd_intra bwd_wy_dqkg}; do step "check_stage_$st" ${STAGE_LIMIT:-200} python bench/check_stage.py --stage $st; done ;;
     launch)  # host vs device time per launch and per chain step (the small-shape slowdown)
       step check_launch 120 python bench/check_launch.py ;;
     tvmffi)  # one CuTe launch's host cost: the call cache against the DSL's TVM-FFI path

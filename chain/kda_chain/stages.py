@@ -365,7 +365,7 @@ def _two(name: str, fla_fn: Callable) -> Stage:
 
 
 # fla's function for every CuTe stage of kda_cute.registry (the per-stage fallback)
-_FLA_OF_CUTE = {"fwd": _fla_fwd_scan, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu, "bwd_wy_dqkg": _fla_bwd_wy_dqkg,
+_FLA_OF_CUTE = {"fwd_intra": _fla_fwd_intra, "fwd": _fla_fwd_scan, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu, "bwd_wy_dqkg": _fla_bwd_wy_dqkg,
                 "intra": _fla_bwd_intra}
 # The stages with a CuTe kernel, one per registry record: kda_cute.<name>, then fla, then the reference.
 CUTE_STAGES = {
@@ -377,7 +377,7 @@ CUTE_STAGES = {
 kda_witness.register_kernels(registry.kernel_stages())
 
 gate_chunk_cumsum = _two("gate_chunk_cumsum", _fla_gate_chunk_cumsum)
-fwd_intra = _two("fwd_intra", _fla_fwd_intra)
+fwd_intra = CUTE_STAGES["fwd_intra"]
 fwd = CUTE_STAGES["fwd"]
 recompute_w_u = _two("recompute_w_u", _fla_recompute_w_u)
 b1 = CUTE_STAGES["b1"]

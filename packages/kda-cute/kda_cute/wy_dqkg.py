@@ -45,16 +45,17 @@ Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16:
     write   dq, dk, dg 3.221 GB, dv2 1.074, dAkk 0.537, db 0.008                        4.84 GB
     total   15.85 GB: 3.96 ms at 4.0 TB/s (fla's kernel takes 12.4 ms there)
 
-Today (H200, 2026-12-01, bench/check_wy_dqkg.py): 4.619 ms vs fla's 12.558 at the reference
-shape (2.72x, 3.43 TB/s), 3.697 vs 10.210 at B16 T8192 H16 K=V=128 (2.76x), 0.278 vs 0.738 at
-B2 T4096 (2.65x); every output's error vs float64 equal to fla's (bench/results/wy_dqkg.md).
+Today (H200, 2026-12-01, bench/check_stage.py --stage bwd_wy_dqkg): 4.619 ms vs fla's 12.558 at
+the reference shape (2.72x, 3.43 TB/s), 3.697 vs 10.210 at B16 T8192 H16 K=V=128 (2.76x), 0.278
+vs 0.738 at B2 T4096 (2.65x); every output's error vs float64 equal to fla's
+(bench/results/wy_dqkg.md).
 
 Constraints: K = 128; V % 64 == 0; T % 64 == 0 (a ragged last chunk is refused); HV % H == 0;
 q, k, v, v_new, Akk, h, do, dh, dv one dtype (bf16 or fp16); beta bf16 / fp16 / fp32; gk fp32;
 contiguous, 16-byte aligned; no varlen, no state_v_first. `scale` is part of the compile key.
 
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_wy_dqkg_compile.py, ptxsim.kda_wy)
-and on the H200 against float64 and fla (bench/check_wy_dqkg.py, tests/gpu/test_chain_gpu.py).
+and on the H200 against float64 and fla (bench/check_stage.py, tests/gpu/test_chain_gpu.py).
 History and measurements: docs/perf/wy_dqkg.md.
 """
 

@@ -1,0 +1,165 @@
+"""GPU check and timing of one chunk-parallel CuTe stage against fla 0.6.0's, on the real
+arguments of a chain call:
+
+    bwd_wy_dqkg   kda_cute.wy_dqkg (kernel kda_cute_wy_dqkg) vs chunk_kda_bwd_wy_dqkg_fused
+    fwd_intra     kda_cute.prep (kernel kda_cute_prep) vs chunk_kda_fwd_intra
+
+Per shape: one fwd+bwd of kda_chain.chunk_kda (gate + l2norm in the op; A_log up to log 16, so
+gates reach ~-10 per step) runs under `kda_chain.stages.capture()`; the stage's arguments are
+replayed through ours and fla's, our outputs poisoned with NaN first; every output is compared
+with the float64 reference (`kda_cute.reference` on float64 copies, batch 0): ours must be
+within 2x fla's relative error (+1e-6), and bitwise equal on a second call. fla leaves Aqk's
+upper triangle unwritten (its consumers mask it): Aqk is compared on and below the diagonal.
+Timing: CUDA events, median (bench/cuda_clock), ours and fla in one run.
+
+    python bench/check_stage.py --stage fwd_intra [--no-time] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+import torch
+from cuda_clock import median_ms
+
+
+@dataclass(frozen=True)
+class StageCheck:
+    module: str  # kda_cute.<module>
+    contract: str  # the function in that module and in kda_cute.reference
+    fla: str  # its fla adapter in kda_chain.stages
+    names: tuple[str, ...]
+
+
+CHECKS = {
+    "bwd_wy_dqkg": StageCheck("wy_dqkg", "bwd_wy_dqkg", "_fla_bwd_wy_dqkg", ("dq", "dk", "dv2", "db", "dg", "dAkk")),
+    "fwd_intra": StageCheck("prep", "fwd_intra", "_fla_fwd_intra", ("w", "u", "qg", "kg", "Aqk", "Akk")),
+}
+
+
+def captured_args(stage, B, T, H, HV, V, dtype=torch.bfloat16, seed=0):
+    from kda_chain import chunk_kda
+    from kda_chain.stages import capture
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*s, dt=dtype, scale=1.0):
+        return (torch.randn(s, generator=g, device="cuda") * scale).to(dt).requires_grad_(True)
+
+    q, k, v, gate, beta = r(B, T, H, 128), r(B, T, H, 128), r(B, T, HV, V), r(B, T, HV, 128), r(B, T, HV)
+    A_log = torch.log(torch.linspace(1.0, 16.0, HV, device="cuda"))
+    with capture() as calls:
+        o, _ = chunk_kda(
+            q, k, v, gate, beta.sigmoid(), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log
+        )
+        o.backward(torch.randn_like(o))
+    torch.cuda.synchronize()
+    return next(a for name, a, _ in calls if name == stage)
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _lower(x):
+    """x [B, T, HV, 64] with each chunk's entries above the diagonal zeroed."""
+    B, T, HV, BT = x.shape
+    row = torch.arange(T, device=x.device) % BT
+    return x * (torch.arange(BT, device=x.device)[None, :] <= row[:, None]).to(x.dtype)[None, :, None, :]
+
+
+def ours_fla(stage, args):
+    c = CHECKS[stage]
+    mod = importlib.import_module(f"kda_cute.{c.module}")
+    from kda_chain import stages as S
+
+    return (lambda: getattr(mod, c.contract)(*args)), (lambda: getattr(S, c.fla)(*args)), mod
+
+
+def check(stage, name, args) -> bool:
+    from kda_cute import reference as ref
+
+    c = CHECKS[stage]
+    run_ours, run_fla, mod = ours_fla(stage, args)
+    orig = mod.alloc
+    mod.alloc = lambda shape, dtype, device, fill=None: orig(shape, dtype, device, fill).fill_(float("nan"))
+    try:
+        ours = run_ours()
+    finally:
+        mod.alloc = orig
+    fla = run_fla()
+    b0 = [a[:1].double() if isinstance(a, torch.Tensor) else a for a in args]
+    want = getattr(ref, c.contract)(*b0)
+    ok = True
+    cells = []
+    for n, o, f, w in zip(c.names, ours, fla, want, strict=True):
+        if o is None:
+            continue
+        o, f = o[:1], f[:1]
+        if n == "Aqk":
+            f = _lower(f)
+        eo, ef = rel(o, w), rel(f, w)
+        good = bool(torch.isfinite(o).all()) and eo <= 2 * ef + 1e-6
+        ok &= good
+        cells.append(f"{n} {eo:.2e}/{ef:.2e}{'' if good else ' FAIL'}")
+    print(f"{'PASS' if ok else 'FAIL'} {name}: ours/fla rel err vs float64: " + ", ".join(cells), flush=True)
+    again = run_ours()
+    same = all(a is None or torch.equal(a, b) for a, b in zip(ours, again, strict=True))
+    print(f"  bitwise repeatable: {same}", flush=True)
+    return ok and same
+
+
+def timing(stage, name, args):
+    run_ours, run_fla, _ = ours_fla(stage, args)
+    t_ours = median_ms(run_ours, inner=3)
+    t_fla = median_ms(run_fla, inner=3)
+    print(
+        f"TIME {stage} {name}: ours {t_ours:.3f} ms, fla {t_fla:.3f} ms, fla/ours {t_fla / t_ours:.2f}x", flush=True
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", choices=sorted(CHECKS), required=True)
+    ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    ok = True
+    checks = [
+        ("B1 T1024 H16 V256", (1, 1024, 16, 16, 256)),
+        ("B1 T512 H8 HV16 V128 (GVA)", (1, 512, 8, 16, 128)),
+        ("B2 T64 H16 V128 (T=64)", (2, 64, 16, 16, 128)),
+    ]
+    for name, shape in checks[:1] if a.quick else checks:
+        try:
+            ok &= check(a.stage, name, captured_args(a.stage, *shape))
+        except Exception as e:  # report and go on: one call must tell everything
+            ok = False
+            print(f"ERROR {name}: {type(e).__name__}: {e}", flush=True)
+    if not a.no_time:
+        for name, shape in (
+            ("B16 T8192 H16 K128 V256 (reference)", (16, 8192, 16, 16, 256)),
+            ("B16 T8192 H16 K=V=128 (cuDNN's)", (16, 8192, 16, 16, 128)),
+            ("B2 T4096 H16 K=V=128", (2, 4096, 16, 16, 128)),
+        ):
+            try:
+                args = captured_args(a.stage, *shape)
+                if "reference" in name:
+                    ok &= check(a.stage, name + " [batch 0 vs float64]", args)
+                timing(a.stage, name, args)
+                del args
+                torch.cuda.empty_cache()
+            except Exception as e:
+                ok = False
+                print(f"ERROR timing {name}: {type(e).__name__}: {e}", flush=True)
+    print("ALL PASS" if ok else "SOME FAILED", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
