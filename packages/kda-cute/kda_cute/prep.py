@@ -11,29 +11,31 @@ r >= s, D_rs = exp2(g_r - g_s) per key column, gl = g at the chunk's last row):
     w = bf16(Akk) bf16(beta k exp2(g))        u = bf16(Akk) bf16(beta v)
     kg = k exp2(gl - g)                       qg = q exp2(g)   (only with want_qg)
 
-CTA decomposition: one CTA per (chunk, hv, b), grid (T / 64, HV, B), 512 threads (16 warps), one
-CTA per SM. Phases, each ended by a barrier:
-  0. cp.async: q, k, g (one group), then the first two 64-wide V tiles (their own groups, in
-     flight until phase 4). All threads: kg, qg out; bf16(k exp2(g)) to smem (w's B operand).
+CTA decomposition: one CTA per (chunk, hv, b), grid (T / 64, HV, B), 256 threads (8 warps), two
+CTAs per SM (~104 KB of smem each: one CTA's load and solve latencies hide under the other's
+arithmetic). Phases, each ended by a barrier:
+  0. cp.async q, k, g; kg and qg out.
   1. A. Warps 0-5: the six 16 x 16 blocks below the diagonal blocks, one per warp, as tf32
      mma.sync m16n8k8 (fla's tl.dot precision), operands computed into registers anchored at
      the source block's last row: q_r exp2(g_r - gl_j) and k_s exp2(gl_j - g_s), both
-     exponents <= 0 whatever the gate. Warps 8-15: the four diagonal blocks in SIMT fp32, one
-     exp2 per (r, s, d) (a thread: one row, four sources). Aqk (scaled, io) and L (fp32) to smem.
+     exponents <= 0 whatever the gate. Then every thread: the four diagonal blocks in SIMT fp32,
+     one exp2 per (r, s, d) (a thread: one row, four sources). L (fp32) and the scaled Aqk (io)
+     to smem; Aqk out (16-byte rows, zero above the diagonal).
   2. The solve, SIMT fp32 in smem: each diagonal block's inverse by forward substitution (a
      thread per column), then the blocks below, one band at a time:
      X_ij = -X_ii sum_{t=j}^{i-1} L_it X_tj.
-  3. Akk and Aqk out (16-byte rows, zero above the diagonal); bf16(X) to smem (the A operand).
-  4. w = bf16(X) bf16(beta k E), then u = bf16(X) bf16(beta v) per V tile (beta v in place in
-     the ring), on bf16 mma.sync m16n8k16
-     (a 4 x 4 warp grid over the 64-row tile), operands by ldmatrix; the next V tile's cp.async
-     flies under this tile's mma. w and u leave from the C fragments as bf16 pairs.
+  3. Akk out; bf16(X) (the A operand) and bf16(beta k exp2(g)) (w's B operand) to smem; the
+     first two 64-wide V tiles' cp.async issued (into g's storage, dead now).
+  4. w = bf16(X) bf16(beta k E) (two 64-column tiles), then u = bf16(X) bf16(beta v) per V tile
+     (beta v in place in the ring; the next tile's cp.async flies under this tile's mma), on
+     bf16 mma.sync m16n8k16, a 4 x 2 warp grid over each 64 x 64 tile, operands by ldmatrix;
+     out from the C fragments as bf16 pairs.
 
 Layouts: global as fla (q, k [B, T, H, K]; v, u [B, T, HV, V]; gk, w, qg, kg [B, T, HV, K];
 Aqk, Akk [B, T, HV, 64]; beta [B, T, HV]). smem: q, k rows padded to 136 elements, g to 132
-floats, L / X to 68 floats (16-byte rows for the vector reads, conflict-light SIMT columns);
-the mma operands (bf16(X), bf16(beta k E), the V ring) in 128-byte-swizzled 64-column rows.
-smem: q, k 34 KB + g 33 + L, X 34 + Aqk 9 + operands 24 + V ring 16 = ~152 KB.
+floats, L / X to 68 floats (16-byte rows for the vector reads, conflict-light SIMT columns): 104
+KB. Four buffers take a second role once their first is dead: q's holds bf16(beta k E), g's the
+V ring (128-byte swizzled 64-column rows, as bf16(X) in L's), X's the Aqk staging before it.
 
 Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (want_qg):
 
@@ -61,7 +63,7 @@ from ._common.support import compile_arch, device_reason
 BT = 64  # chunk
 BC = 16  # diagonal block
 BV = 64  # V tile
-THREADS = 512
+THREADS = 256
 STAGES = 2
 SUPPORTED_K = (128,)
 QPAD = 8  # q, k smem row padding (elements): 16-byte rows, rows 16 bytes apart in the banks
@@ -130,7 +132,7 @@ def _build_kernel_class():
             T_ = cute.size(mG, mode=[1])
             HV = cute.size(mG, mode=[2])
             kernel = self.kda_cute_prep(mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk)
-            kernel.launch(grid=(T_ // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=1,
+            kernel.launch(grid=(T_ // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=2,
                           preferred_smem_carveout=100, stream=stream)
 
         @cute.jit
@@ -237,19 +239,19 @@ def _build_kernel_class():
                 sX[db + m, db + c] = xc[m]
 
         @cute.jit
-        def _band_sum(self, sL, sX, sT, lev: cutlass.Constexpr, bk, e):
+        def _band_sum(self, sL, sX, sT, lev: cutlass.Constexpr, bk: cutlass.Constexpr, e):
             """T = sum_{t=j}^{i-1} L_it X_tj for block (i, j) = (lev + bk, bk), element e."""
             i0 = (lev + bk) * BC
             j0 = bk * BC
             em = e // BC
             en = e % BC
             acc = f32(0.0)
-            for u in cutlass.range(j0, i0, unroll=4):
+            for u in cutlass.range_constexpr(j0, i0):
                 acc = acc + sL[i0 + em, u] * sX[u, j0 + en]
             sT[bk, em, en] = acc
 
         @cute.jit
-        def _band_solve(self, sX, sT, lev: cutlass.Constexpr, bk, e):
+        def _band_solve(self, sX, sT, lev: cutlass.Constexpr, bk: cutlass.Constexpr, e):
             """X_ij = -X_ii T for block (i, j) = (lev + bk, bk), element e."""
             i0 = (lev + bk) * BC
             j0 = bk * BC
@@ -278,7 +280,6 @@ def _build_kernel_class():
             K = self.K
             NV = self.NV
             io = self.io_dtype
-            scale = self.scale
             mQ, mK, mV, mG, mW, mU, mQg, mKg, mAqk, mAkk = (
                 _gmem(t) for t in (mQ, mK, mV, mG, mW, mU, mQg, mKg, mAqk, mAkk))
             tidx, _, _ = cute.arch.thread_idx()
@@ -293,14 +294,16 @@ def _build_kernel_class():
             gK = cute.local_tile(mK[b, None, h, None], (BT, K), (t_idx, 0))
             gG = cute.local_tile(mG[b, None, hv, None], (BT, K), (t_idx, 0))
             gV = cute.local_tile(mV[b, None, hv, None], (BT, BV), (t_idx, None))
-            gW = cute.local_tile(mW[b, None, hv, None], (BT, K), (t_idx, 0))
+            gW = cute.local_tile(mW[b, None, hv, None], (BT, BV), (t_idx, None))  # K in 64-wide tiles
             gU = cute.local_tile(mU[b, None, hv, None], (BT, BV), (t_idx, None))
             gQg = cute.local_tile(mQg[b, None, hv, None], (BT, K), (t_idx, 0))
             gKg = cute.local_tile(mKg[b, None, hv, None], (BT, K), (t_idx, 0))
             gAqk = cute.local_tile(mAqk[b, None, hv, None], (BT, BT), (t_idx, 0))
             gAkk = cute.local_tile(mAkk[b, None, hv, None], (BT, BT), (t_idx, 0))
 
-            # ---------------- shared memory
+            # ---------------- shared memory (~107 KB: two CTAs per SM). Four buffers take a
+            # second role once their first is dead: q -> bf16(beta k E) (phase 3), g -> the V
+            # ring (phase 4), L -> bf16(X) (phase 3), X <- the Aqk staging (phase 1).
             smem = cutlass.memory.SmemAllocator()
             atom = cute.make_composed_layout(
                 cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
@@ -312,17 +315,18 @@ def _build_kernel_class():
             GS = K + GPAD
             XS = BT + XPAD
             AS = BT + APAD
-            sV = smem.allocate_tensor(io, l64s, 1024)
-            sAb = smem.allocate_tensor(io, l64, 1024)  # bf16(X): w's and u's A operand
-            sKE = smem.allocate_tensor(io, lk, 1024)  # bf16(beta k exp2(g)): w's B operand
-            sQ = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(QS, 1)), 16)
+            sQ = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(QS, 1)), 1024)
             sK = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(QS, 1)), 16)
-            sG = smem.allocate_tensor(f32, cute.make_layout((BT, K), stride=(GS, 1)), 16)
-            sL = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 16)
+            sG = smem.allocate_tensor(f32, cute.make_layout((BT, K), stride=(GS, 1)), 1024)
+            sL = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 1024)
             sX = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 16)
             sT = smem.allocate_tensor(f32, cute.make_layout((3, BC, BC), stride=(BC * BC, BC, 1)), 16)
-            sAqk = smem.allocate_tensor(io, cute.make_layout((BT, BT), stride=(AS, 1)), 16)
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
+            sKE = cute.make_tensor(sQ.iterator, lk)  # bf16(beta k exp2(g)): w's B operand
+            sV = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=io), l64s)
+            sAb = cute.make_tensor(cute.recast_ptr(sL.iterator, dtype=io), l64)  # bf16(X): A operand
+            sAqk = cute.make_tensor(cute.recast_ptr(sX.iterator, dtype=io),
+                                    cute.make_layout((BT, BT), stride=(AS, 1)))
             # vector views along the contiguous mode: 8 x 16-bit / 4 x fp32 = 16 bytes
             sQ8 = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // 8, 8), stride=(QS, 8, 1)))
             sK8 = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // 8, 8), stride=(QS, 8, 1)))
@@ -347,19 +351,13 @@ def _build_kernel_class():
             tio = cp_io.get_slice(tidx)
             tf = cp_f32.get_slice(tidx)
             tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
-            groups = []
             cute.copy(cp_io, tio.partition_S(gQ), tio.partition_D(sQ))
             cute.copy(cp_io, tio.partition_S(gK), tio.partition_D(sK))
             cute.copy(cp_f32, tf.partition_S(gG), tf.partition_D(sG))
             cute.arch.cp_async_commit_group()
-            groups.append("qkg")
-            for iv in cutlass.range_constexpr(min(STAGES, NV)):
-                cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
-                cute.arch.cp_async_commit_group()
-                groups.append(iv)
             if tidx < BT:
                 sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
-            cute.arch.cp_async_wait_group(len(groups) - 1)
+            cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
             # 16-byte stores of 8 x 16-bit values: smem / gmem rows of a (rows, 64 or K) tile
@@ -371,93 +369,100 @@ def _build_kernel_class():
             )
             t8 = st8.get_slice(tidx)
 
-            # kg, qg out; bf16(beta k E) to smem: 8 columns per thread per step
+            # kg, qg out: 8 columns per thread per step
             cK = t8.partition_D(cute.make_identity_tensor((BT, K)))
             tKg = t8.partition_D(gKg)
             tQg = t8.partition_D(gQg)
+            for m in cutlass.range_constexpr(cute.size(cK, mode=[1])):
+                for n in cutlass.range_constexpr(cute.size(cK, mode=[2])):
+                    r, d0 = cK[0, m, n]
+                    c8 = d0 // 8
+                    kv = sK8[r, c8, None].load().to(f32)
+                    qv = sQ8[r, c8, None].load().to(f32)
+                    rkg = cute.make_fragment_like(tKg[None, m, n])
+                    rqg = cute.make_fragment_like(tQg[None, m, n])
+                    for hlf in cutlass.range_constexpr(2):
+                        gv = sG4[r, 2 * c8 + hlf, None].load()
+                        gl = sG4[BT - 1, 2 * c8 + hlf, None].load()
+                        for i in cutlass.range_constexpr(4):
+                            j8 = 4 * hlf + i
+                            rkg[j8] = io(kv[j8] * _exp2(gl[i] - gv[i]))
+                            rqg[j8] = io(qv[j8] * _exp2(gv[i]))
+                    cute.copy(st8, rkg, tKg[None, m, n])
+                    if cutlass.const_expr(self.want_qg):
+                        cute.copy(st8, rqg, tQg[None, m, n])
+
+            # ---------------- phase 1: Aqk (staged in sX's storage) and L
+            if wid < 6:
+                self._below_diagonal(sQ, sK, sG, sBeta, sAqk, sL, wid, lane)
+            self._diagonal(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx)
+            cute.arch.sync_threads()
+            cA64 = t8.partition_D(cute.make_identity_tensor((BT, BT)))
+            tAqk = t8.partition_D(gAqk)
+            for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
+                r, s0 = cA64[0, m, 0]
+                rqk = cute.make_fragment_like(tAqk[None, m, 0])
+                aqv = sAqk8[r, s0 // 8, None].load()
+                for j8 in cutlass.range_constexpr(8):
+                    ai = f32(aqv[j8])
+                    aqs = f32(0.0)
+                    if s0 + j8 <= r:
+                        aqs = ai
+                    rqk[j8] = io(aqs)
+                cute.copy(st8, rqk, tAqk[None, m, 0])
+            cute.arch.sync_threads()  # the staging is read: X may overwrite it
+
+            # ---------------- phase 2: X = (I + L)^-1
+            if tidx < BT:
+                self._invert_diagonal(sL, sX, tidx)
+            cute.arch.sync_threads()
+            for lev in cutlass.range_constexpr(1, BT // BC):
+                for bk in cutlass.range_constexpr(BT // BC - lev):  # blocks (lev + bk, bk)
+                    self._band_sum(sL, sX, sT, lev, bk, tidx)
+                cute.arch.sync_threads()
+                for bk in cutlass.range_constexpr(BT // BC - lev):
+                    self._band_solve(sX, sT, lev, bk, tidx)
+                cute.arch.sync_threads()
+
+            # ---------------- phase 3: Akk out, bf16(X) over L, bf16(beta k E) over q
+            tAkk = t8.partition_D(gAkk)
+            tAb = t8.partition_D(sAb)
+            for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
+                r, s0 = cA64[0, m, 0]
+                rkk = cute.make_fragment_like(tAkk[None, m, 0])
+                for hlf in cutlass.range_constexpr(2):
+                    xv = sX4[r, s0 // 4 + hlf, None].load()
+                    for i in cutlass.range_constexpr(4):
+                        xi = f32(xv[i])
+                        xs = f32(0.0)
+                        if s0 + 4 * hlf + i <= r:
+                            xs = xi
+                        rkk[4 * hlf + i] = io(xs)
+                cute.copy(st8, rkk, tAkk[None, m, 0])
+                cute.copy(st8, rkk, tAb[None, m, 0])
             tKE = t8.partition_D(sKE)
             for m in cutlass.range_constexpr(cute.size(cK, mode=[1])):
                 for n in cutlass.range_constexpr(cute.size(cK, mode=[2])):
                     r, d0 = cK[0, m, n]
                     c8 = d0 // 8
                     kv = sK8[r, c8, None].load().to(f32)
-                    rkg = cute.make_fragment_like(tKg[None, m, n])
-                    rke = cute.make_fragment_like(tKE[None, m, n])
-                    rqg = cute.make_fragment_like(tQg[None, m, n])
-                    qv = sQ8[r, c8, None].load().to(f32)
                     br = sBeta[r]
+                    rke = cute.make_fragment_like(tKE[None, m, n])
                     for hlf in cutlass.range_constexpr(2):
                         gv = sG4[r, 2 * c8 + hlf, None].load()
-                        gl = sG4[BT - 1, 2 * c8 + hlf, None].load()
                         for i in cutlass.range_constexpr(4):
-                            e = _exp2(gv[i])
-                            j8 = 4 * hlf + i
-                            rkg[j8] = io(kv[j8] * _exp2(gl[i] - gv[i]))
-                            rke[j8] = io(kv[j8] * br * e)
-                            rqg[j8] = io(qv[j8] * e)
-                    cute.copy(st8, rkg, tKg[None, m, n])
+                            rke[4 * hlf + i] = io(kv[4 * hlf + i] * br * _exp2(gv[i]))
                     cute.copy(st8, rke, tKE[None, m, n])
-                    if cutlass.const_expr(self.want_qg):
-                        cute.copy(st8, rqg, tQg[None, m, n])
+            cute.arch.sync_threads()  # g is dead: its storage takes the V ring
+            groups = []
+            for iv in cutlass.range_constexpr(min(STAGES, NV)):
+                cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
+                cute.arch.cp_async_commit_group()
+                groups.append(iv)
 
-            # ---------------- phase 1: Aqk and L
-            if wid < 6:
-                self._below_diagonal(sQ, sK, sG, sBeta, sAqk, sL, wid, lane)
-            if wid >= 8:
-                self._diagonal(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx - 256)
-            cute.arch.sync_threads()
-
-            # ---------------- phase 2: X = (I + L)^-1
-            if tidx < BT:
-                self._invert_diagonal(sL, sX, tidx)
-            cute.arch.sync_threads()
-            half = tidx // 256
-            for lev in cutlass.range_constexpr(1, BT // BC):
-                nblk = BT // BC - lev  # blocks (i, i - lev), i = lev ..
-                for q in cutlass.range_constexpr((nblk + 1) // 2):
-                    if 2 * q + half < nblk:
-                        self._band_sum(sL, sX, sT, lev, 2 * q + half, tidx % 256)
-                cute.arch.sync_threads()
-                for q in cutlass.range_constexpr((nblk + 1) // 2):
-                    if 2 * q + half < nblk:
-                        self._band_solve(sX, sT, lev, 2 * q + half, tidx % 256)
-                cute.arch.sync_threads()
-
-            # ---------------- phase 3: Akk, Aqk out; bf16(X) to smem
-            cA64 = t8.partition_D(cute.make_identity_tensor((BT, BT)))
-            tAkk = t8.partition_D(gAkk)
-            tAqk = t8.partition_D(gAqk)
-            tAb = t8.partition_D(sAb)
-            for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
-                for n in cutlass.range_constexpr(cute.size(cA64, mode=[2])):
-                    r, s0 = cA64[0, m, n]
-                    rkk = cute.make_fragment_like(tAkk[None, m, n])
-                    rab = cute.make_fragment_like(tAb[None, m, n])
-                    rqk = cute.make_fragment_like(tAqk[None, m, n])
-                    aqv = sAqk8[r, s0 // 8, None].load()
-                    for hlf in cutlass.range_constexpr(2):
-                        xv = sX4[r, s0 // 4 + hlf, None].load()
-                        for i in cutlass.range_constexpr(4):
-                            j8 = 4 * hlf + i
-                            s = s0 + j8
-                            xi = f32(xv[i])
-                            ai = f32(aqv[j8])
-                            xs = f32(0.0)
-                            aqs = f32(0.0)
-                            if s <= r:
-                                xs = xi
-                                aqs = ai
-                            rkk[j8] = io(xs)
-                            rab[j8] = io(xs)
-                            rqk[j8] = io(aqs)
-                    cute.copy(st8, rkk, tAkk[None, m, n])
-                    cute.copy(st8, rab, tAb[None, m, n])
-                    cute.copy(st8, rqk, tAqk[None, m, n])
-            cute.arch.sync_threads()
-
-            # ---------------- phase 4: w = Ab KE, u = Ab v (bf16 mma.sync, 4 x 4 warps)
+            # ---------------- phase 4: w = X KE, u = X v per 64-column tile (bf16 mma.sync)
             tiled_mma = cute.make_tiled_mma(
-                warp.MmaF16BF16Op(io, f32, (16, 8, 16)), (4, 4, 1), permutation_mnk=(64, 64, 16)
+                warp.MmaF16BF16Op(io, f32, (16, 8, 16)), (4, 2, 1), permutation_mnk=(64, 64, 16)
             )
             thr = tiled_mma.get_slice(tidx)
             ld_n = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), io)
@@ -468,56 +473,55 @@ def _build_kernel_class():
             cpBt = tcBt.get_slice(tidx)
             st_c16 = cute.make_tiled_copy_C(cute.make_copy_atom(uni, io, num_bits_per_copy=32), tiled_mma)
             tsc16 = st_c16.get_slice(tidx)
-
             rAb = thr.make_fragment_A(thr.partition_A(sAb))
             vAb = cpAn.retile(rAb)
             pAb = cpAn.partition_S(sAb)
-            sKET = cute.composition(sKE, cute.make_layout((K, BT), stride=(BT, 1)))  # [d, s]
-            rKE = thr.make_fragment_B(thr.partition_B(sKET))
-            vKE = cpBt.retile(rKE)
-            pKE = cpBt.partition_S(sKET)
-            acc_w = cute.make_rmem_tensor(thr.partition_shape_C((BT, K)), f32)
-            acc_w.fill(0.0)
-            for kb in cutlass.range_constexpr(BT // 16):
-                cute.copy(tcAn, pAb[None, None, kb], vAb[None, None, kb])
-                cute.copy(tcBt, pKE[None, None, kb], vKE[None, None, kb])
-                cute.gemm(tiled_mma, acc_w, rAb[None, None, kb], rKE[None, None, kb], acc_w)
-            rw = cute.make_fragment_like(acc_w, io)
-            rw.store(acc_w.load().to(io))
-            cute.copy(st_c16, tsc16.retile(rw), tsc16.partition_D(gW))
-
-            tr64 = cute.make_layout((BV, BT), stride=(BT, 1))  # [v, s] of a (s, v) tile
-            rVT = thr.make_fragment_B(thr.partition_B(cute.composition(sV[None, None, 0], tr64)))
-            vVT = cpBt.retile(rVT)
-            tVb = t8.partition_D(sV)  # (8 values, 1, 1, stage)
+            tr64 = cute.make_layout((BV, BT), stride=(BT, 1))  # [col, s] of an (s, col) tile
+            rBT = thr.make_fragment_B(thr.partition_B(cute.composition(sV[None, None, 0], tr64)))
+            vBT = cpBt.retile(rBT)
             cV = t8.partition_D(cute.make_identity_tensor((BT, BV)))
+            tVb = t8.partition_D(sV)  # (8 values, m, 1, stage)
+
+            for c in cutlass.range_constexpr(K // BV):
+                sKEc = cute.local_tile(sKE, (BT, BV), (0, c))
+                self._tile_mma(tiled_mma, thr, tcAn, tcBt, cpBt, pAb, vAb, rAb, vBT, rBT,
+                               cute.composition(sKEc, tr64), st_c16, tsc16, gW[None, None, c])
             for iv in cutlass.range_constexpr(NV):
                 st = iv % STAGES
                 cute.arch.cp_async_wait_group(len(groups) - 1 - groups.index(iv))
                 cute.arch.sync_threads()
-                # bf16(beta v) in place (fla's rounding point), one 16-byte row piece per thread
-                rv = cute.make_fragment_like(tVb[None, 0, 0, st])
-                cute.copy(st8, tVb[None, 0, 0, st], rv)
-                vb = rv.load().to(f32)
-                bs = sBeta[cV[0, 0, 0][0]]
-                rv.store((vb * bs).to(io))
-                cute.copy(st8, rv, tVb[None, 0, 0, st])
+                # bf16(beta v) in place (fla's rounding point)
+                for m in cutlass.range_constexpr(cute.size(cV, mode=[1])):
+                    rv = cute.make_fragment_like(tVb[None, m, 0, st])
+                    cute.copy(st8, tVb[None, m, 0, st], rv)
+                    vb = rv.load().to(f32)
+                    rv.store((vb * sBeta[cV[0, m, 0][0]]).to(io))
+                    cute.copy(st8, rv, tVb[None, m, 0, st])
                 cute.arch.sync_threads()
-                pVT = cpBt.partition_S(cute.composition(sV[None, None, st], tr64))
-                acc_u = cute.make_rmem_tensor(thr.partition_shape_C((BT, BV)), f32)
-                acc_u.fill(0.0)
-                for kb in cutlass.range_constexpr(BT // 16):
-                    cute.copy(tcAn, pAb[None, None, kb], vAb[None, None, kb])
-                    cute.copy(tcBt, pVT[None, None, kb], vVT[None, None, kb])
-                    cute.gemm(tiled_mma, acc_u, rAb[None, None, kb], rVT[None, None, kb], acc_u)
-                ru = cute.make_fragment_like(acc_u, io)
-                ru.store(acc_u.load().to(io))
-                cute.copy(st_c16, tsc16.retile(ru), tsc16.partition_D(gU[None, None, iv]))
+                self._tile_mma(tiled_mma, thr, tcAn, tcBt, cpBt, pAb, vAb, rAb, vBT, rBT,
+                               cute.composition(sV[None, None, st], tr64), st_c16, tsc16, gU[None, None, iv])
                 if cutlass.const_expr(iv + STAGES < NV):
                     cute.arch.sync_threads()  # every warp is done reading stage st
                     cute.copy(cp_io, tVg[None, None, None, iv + STAGES], tVs[None, None, None, st])
                     cute.arch.cp_async_commit_group()
                     groups.append(iv + STAGES)
+
+        @cute.jit
+        def _tile_mma(self, tiled_mma, thr, tcAn, tcBt, cpBt, pAb, vAb, rAb, vBT, rBT, sBT, st_c16,
+                      tsc16, gOut):
+            """gOut (64 x 64, io) = bf16(X) (64 x 64) @ the (s, col) smem tile whose transposed
+            view is sBT, on bf16 mma.sync; out from the C fragments as bf16 pairs."""
+            pBT = cpBt.partition_S(sBT)
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((BT, BV)), f32)
+            acc.fill(0.0)
+            for kb in cutlass.range_constexpr(BT // 16):
+                cute.copy(tcAn, pAb[None, None, kb], vAb[None, None, kb])
+                cute.copy(tcBt, pBT[None, None, kb], vBT[None, None, kb])
+                cute.gemm(tiled_mma, acc, rAb[None, None, kb], rBT[None, None, kb], acc)
+            ro = cute.make_fragment_like(acc, self.io_dtype)
+            ro.store(acc.load().to(self.io_dtype))
+            cute.copy(st_c16, tsc16.retile(ro), tsc16.partition_D(gOut))
+
 
     return _Kernel
 

@@ -2,7 +2,7 @@
 interpreter, and its inputs.
 
 `emulate_prep(text, args, want_qg)` runs the kernel's PTX `text` on the CTAs of its grid
-(T / 64, HV, B), 512 threads each, through `ext_wy.WyCTA` (tf32 mma.sync m16n8k8, bf16 / fp16
+(T / 64, HV, B), `kda_cute.prep.THREADS` threads each, through `ext_wy.WyCTA` (tf32 mma.sync m16n8k8, bf16 / fp16
 m16n8k16, ldmatrix, cp.async) over one emulated global memory holding the five inputs and the six
 outputs, NaN-poisoned first; it returns w, u, qg (None without want_qg), kg, Aqk, Akk.
 `prep_inputs(...)` makes random inputs of the contract's shapes and dtypes (never zeros: gates a
@@ -14,8 +14,6 @@ import torch
 
 from .ext_wy import WyCTA, wy_program
 from .launch import run_grid
-
-THREADS = 512
 
 
 def emulate_prep(text, args, want_qg=True, ctas=None):
@@ -32,7 +30,7 @@ def emulate_prep(text, args, want_qg=True, ctas=None):
     if ctas is None:
         ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
     tensors = list(prep._kernel_args(q, k, v, gk, beta, outs))
-    got = run_grid(wy_program(text), tensors, ctas, WyCTA, THREADS)
+    got = run_grid(wy_program(text), tensors, ctas, WyCTA, prep.THREADS)
     w, u, qg, kg, aqk, akk = got[5:]
     return w, u, qg if want_qg else None, kg, aqk, akk
 
