@@ -3,7 +3,7 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans stages launch tvmffi train soak tests fp16 bench peer ncu save savecache
+#   bash bench/gpu_suite.sh [steps]   steps: witness intra scans stages launch tvmffi train soak shared tests fp16 bench peer ncu save savecache
 #                                     (default: all but fp16, ncu, savecache)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
@@ -73,6 +73,8 @@ for s in $steps; do
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
         --benchmark-columns=median,iqr,rounds ;;
+    shared)  # two processes on one GPU at once (cold compiles, opposite shape orders) vs one alone
+      step shared_gpu ${SHARED_LIMIT:-240} python bench/shared_gpu.py --out "$OUT/shared" ;;
     peer)  # ours, fla, cuDNN (when .dev-p travelled) and attn-gym side by side on the peers' inputs
       step peer ${PEER_LIMIT:-400} python -m pytest -p no:cacheprovider -q bench/test_chain.py -k vs_peer \
         --benchmark-json="$OUT/peer.json" --benchmark-columns=median,iqr,rounds ;;
