@@ -18,8 +18,8 @@ memory symbol `__dynamic_shmem__0` is address 0). Kernel parameters are read by 
 no effect, but its address must lie in one of the `prefetch_ok` byte ranges (none by default).
 
 Modelled: the integer, predicate, selection and branch opcodes, ld / st (param, global, shared;
-vectors), float32 add / sub / mul / fma (round to nearest), min / max / neg / abs, setp.f32, neg
-.{bf16, f16, bf16x2, f16x2} (sign bits), the bf16 / fp16 / tf32 conversions of `numerics`, prmt,
+vectors), float32 add / sub / mul / fma (round to nearest), min / max / neg / abs, setp.f32
+(ordered, and unordered: leu etc. are true on NaN), neg .{bf16, f16, bf16x2, f16x2} (sign bits), the bf16 / fp16 / tf32 conversions of `numerics`, prmt,
 dp2a, shfl.sync (bfly and idx), mma.sync m16n8k8 row.col f32.tf32.tf32.f32. Any other float-typed
 opcode of the integer families (add.bf16x2, min.ftz.f32, setp.lt.f16, ...) raises
 NotImplementedError rather than running as integer arithmetic on the bits. ex2.approx.ftz.f32
@@ -32,6 +32,7 @@ out-of-range addresses beyond the emulated memories' ends (an IndexError), every
 listed: `CTA.other` raises NotImplementedError for them, a subclass's hook (`HopperCTA`).
 """
 
+import math
 import re
 
 import numpy as np
@@ -406,8 +407,15 @@ class CTA:
                     a_, b_ = val(args[1]) & ((1 << bits) - 1), val(args[2]) & ((1 << bits) - 1)
                     if typ.startswith("s"):
                         a_, b_ = sext(a_, bits), sext(b_, bits)
-                R[args[0]] = {"eq": a_ == b_, "ne": a_ != b_, "lt": a_ < b_, "le": a_ <= b_, "gt": a_ > b_,
-                              "ge": a_ >= b_}[cmp]
+                ordered = {"eq": a_ == b_, "ne": a_ != b_, "lt": a_ < b_, "le": a_ <= b_, "gt": a_ > b_,
+                           "ge": a_ >= b_}
+                if cmp in ordered:
+                    R[args[0]] = ordered[cmp]
+                elif cmp[:-1] in ordered and cmp.endswith("u") and typ == "f32":
+                    # unordered float compare (equ, neu, ltu, leu, gtu, geu): true if either is NaN
+                    R[args[0]] = math.isnan(a_) or math.isnan(b_) or ordered[cmp[:-1]]
+                else:
+                    raise NotImplementedError(f"{op} {args}")
             elif base == "selp":
                 R[args[0]] = val(args[1]) if R[args[3]] else val(args[2])
             elif base == "bra":
