@@ -15,15 +15,12 @@ CTA decomposition: one CTA per (chunk, hv, b), grid (T / 64, HV, B), 256 threads
 CTAs per SM (~104 KB of smem each: one CTA's load and solve latencies hide under the other's
 arithmetic). Phases, each ended by a barrier:
   0. cp.async q, k, g; kg and qg out.
-  1. A, as ten 16 x 16 blocks on tf32 mma.sync m16n8k8 (fla's tl.dot precision), one or two
-     per warp, the operands computed into registers anchored at the source block's last row:
-     q_r exp2(g_r - g_l) and k_s exp2(g_l - g_s). Below the diagonal both exponents are <= 0
-     whatever the gate. On the diagonal the first reaches the block's gate span, so an 8-column
-     step takes the mma only where that span is <= SPAN (96, log2; flags computed in phase 0,
-     one per block and step: the branch is warp-uniform); the other steps, and every step with
-     fp16, are summed exactly in SIMT fp32, one exp2 per (r, s, d) (a thread: one row, four
-     sources), and added to the mma's partial sums. L (fp32) and the scaled Aqk (io) to smem;
-     Aqk out (16-byte rows, zero above the diagonal).
+  1. A. Warps 0-5: the six 16 x 16 blocks below the diagonal blocks, one per warp, as tf32
+     mma.sync m16n8k8 (fla's tl.dot precision), operands computed into registers anchored at
+     the source block's last row: q_r exp2(g_r - gl_j) and k_s exp2(gl_j - g_s), both
+     exponents <= 0 whatever the gate. Then every thread: the four diagonal blocks in SIMT fp32,
+     one exp2 per (r, s, d) (a thread: one row, four sources). L (fp32) and the scaled Aqk (io)
+     to smem; Aqk out (16-byte rows, zero above the diagonal).
   2. The solve, SIMT fp32 in smem: each diagonal block's inverse by forward substitution (a
      thread per column), then the blocks below, one band at a time:
      X_ij = -X_ii sum_{t=j}^{i-1} L_it X_tj.
@@ -73,17 +70,6 @@ QPAD = 8  # q, k smem row padding (elements): 16-byte rows, rows 16 bytes apart 
 GPAD = 4  # g rows (floats)
 XPAD = 4  # L, X rows (floats)
 APAD = 8  # Aqk staging rows (elements)
-# The diagonal blocks' 8-column steps run on the tf32 mma when the block's gate span (first row
-# minus last row, log2) over the step is at most SPAN: the q-side factor is then <= 2^SPAN, far
-# inside fp32. Steps over it take the exact SIMT path (one exp2 per (r, s, d)). With fp16 q / k
-# every step takes the exact path: fp16's finer output rounding leaves less room for the tf32
-# operand rounding (PTX interpreter, gates to -5 per step: Akk's error 1.66x fla's on the mma,
-# 1.00x exact).
-SPAN = 96.0
-# phase 1's ten 16 x 16 blocks (i, j) in warp order (warp = index % 8): the two warps with a
-# second block get two below-diagonal ones, the four diagonal blocks (which may fall back to
-# SIMT) a warp each
-BLOCKS = ((1, 0), (2, 0), (0, 0), (1, 1), (2, 2), (3, 3), (2, 1), (3, 0), (3, 1), (3, 2))
 
 _cache = CallCache("kda_cute_prep")
 
@@ -150,18 +136,16 @@ def _build_kernel_class():
                           preferred_smem_carveout=100, stream=stream)
 
         @cute.jit
-        def _block(self, sQ, sK, sG, sBeta, sAqk, sL, sAq32, sSafe, lane, bi: cutlass.Constexpr,
-                   bj: cutlass.Constexpr):
-            """Block (bi, bj), bi >= bj, of Aqk and L on one warp: tf32 mma m16n8k8 over K with
-            the operands anchored at block bj's last row, q_r exp2(g_r - g_l) and
-            k_s exp2(g_l - g_s). Below the diagonal both exponents are <= 0 whatever the gate.
-            On the diagonal the first is up to the block's gate span: an 8-column step runs only
-            if its span is <= SPAN (sSafe); the others are left to `_diagonal`'s exact SIMT, and
-            the block's raw partial sums go to sAq32 / sL for it to finish."""
+        def _below_diagonal(self, sQ, sK, sG, sBeta, sAqk, sL, p, lane):
+            """Block (i, j), i > j, of Aqk and L on one warp: p -> (1,0) (2,0) (2,1) (3,0) (3,1)
+            (3,2); tf32 mma m16n8k8 over K, anchored at block j's last row."""
             K = self.K
             io = self.io_dtype
+            bi = 1 + (p + 5) // 6 + (p + 3) // 6  # 1 2 2 3 3 3
+            bj = p - (bi * (bi - 1)) // 2  # 0 0 1 0 1 2
             r0 = bi * BC
             s0 = bj * BC
+            sl = s0 + BC - 1
             tmma = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
             thr = tmma.get_slice(lane)
             cA = thr.partition_A(cute.make_identity_tensor((BC, 8)))  # (m, k) per register
@@ -170,49 +154,34 @@ def _build_kernel_class():
             fAq = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
             fAk = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
             fB = cute.make_rmem_tensor(cB.shape, cutlass.TFloat32)
+            fAqi = cute.recast_tensor(fAq, cutlass.Int32)
+            fAki = cute.recast_tensor(fAk, cutlass.Int32)
+            fBi = cute.recast_tensor(fB, cutlass.Int32)
             accq = cute.make_rmem_tensor(cC.shape, f32)
             acck = cute.make_rmem_tensor(cC.shape, f32)
             accq.fill(0.0)
             acck.fill(0.0)
             for k0 in cutlass.range(0, K, 8, unroll=2):
-                if cutlass.const_expr(bi == bj):
-                    if sSafe[bi, k0 // 8] != 0:
-                        self._block_step(sQ, sK, sG, tmma, cA, cB, fAq, fAk, fB, accq, acck, r0, s0, k0)
-                else:
-                    self._block_step(sQ, sK, sG, tmma, cA, cB, fAq, fAk, fB, accq, acck, r0, s0, k0)
+                for ei in cutlass.range_constexpr(cute.size(cA)):
+                    ma, ka = cA[ei]
+                    e = _exp2(sG[r0 + ma, k0 + ka] - sG[sl, k0 + ka])
+                    fAqi[ei] = _tf32(f32(sQ[r0 + ma, k0 + ka]) * e)
+                    fAki[ei] = _tf32(f32(sK[r0 + ma, k0 + ka]) * e)
+                for ei in cutlass.range_constexpr(cute.size(cB)):
+                    nb, kb = cB[ei]
+                    fBi[ei] = _tf32(f32(sK[s0 + nb, k0 + kb]) * _exp2(sG[sl, k0 + kb] - sG[s0 + nb, k0 + kb]))
+                cute.gemm(tmma, accq, fAq, fB, accq)
+                cute.gemm(tmma, acck, fAk, fB, acck)
             for ei in cutlass.range_constexpr(cute.size(cC)):
                 mc, nc = cC[ei]
-                if cutlass.const_expr(bi == bj):
-                    sAq32[bi, mc, nc] = accq[ei]
-                    sL[r0 + mc, s0 + nc] = acck[ei]
-                else:
-                    sAqk[r0 + mc, s0 + nc] = io(accq[ei] * self.scale)
-                    sL[r0 + mc, s0 + nc] = acck[ei] * sBeta[r0 + mc]
+                sAqk[r0 + mc, s0 + nc] = io(accq[ei] * self.scale)
+                sL[r0 + mc, s0 + nc] = acck[ei] * sBeta[r0 + mc]
 
         @cute.jit
-        def _block_step(self, sQ, sK, sG, tmma, cA, cB, fAq, fAk, fB, accq, acck, r0, s0, k0):
-            """One 8-column step of `_block`: the anchored operands into registers (tf32), two mma."""
-            sl = s0 + BC - 1
-            fAqi = cute.recast_tensor(fAq, cutlass.Int32)
-            fAki = cute.recast_tensor(fAk, cutlass.Int32)
-            fBi = cute.recast_tensor(fB, cutlass.Int32)
-            for ei in cutlass.range_constexpr(cute.size(cA)):
-                ma, ka = cA[ei]
-                e = _exp2(sG[r0 + ma, k0 + ka] - sG[sl, k0 + ka])
-                fAqi[ei] = _tf32(f32(sQ[r0 + ma, k0 + ka]) * e)
-                fAki[ei] = _tf32(f32(sK[r0 + ma, k0 + ka]) * e)
-            for ei in cutlass.range_constexpr(cute.size(cB)):
-                nb, kb = cB[ei]
-                fBi[ei] = _tf32(f32(sK[s0 + nb, k0 + kb]) * _exp2(sG[sl, k0 + kb] - sG[s0 + nb, k0 + kb]))
-            cute.gemm(tmma, accq, fAq, fB, accq)
-            cute.gemm(tmma, acck, fAk, fB, acck)
-
-        @cute.jit
-        def _diagonal(self, sQ4, sK4, sG4, sBeta, sAqk, sL, sAq32, sSafe, tt):
-            """Finishes the diagonal blocks of Aqk and L: the 8-column steps `_block` left (gate
-            span > SPAN) in SIMT fp32, one exp2 per (r, s, d), plus its partial sums; then scale /
-            beta. Thread tt (0..255) owns block tt / 64, row (tt / 4) % 16, sources sq, sq + 4,
-            sq + 8, sq + 12 (sq = tt % 4) up to the row; a warp is one block's 8 rows."""
+        def _diagonal(self, sQ4, sK4, sG4, sBeta, sAqk, sL, tt):
+            """The diagonal blocks of Aqk and L in SIMT fp32, one exp2 per (r, s, d): thread tt
+            (0..255) owns block tt / 64, row (tt / 4) % 16, sources sq, sq + 4, sq + 8, sq + 12
+            (sq = tt % 4) up to the row."""
             io = self.io_dtype
             blk = tt // 64
             r = (tt // 4) % BC
@@ -228,22 +197,16 @@ def _build_kernel_class():
             kr = cute.make_rmem_tensor(cute.make_layout(4), f32)
             gr = cute.make_rmem_tensor(cute.make_layout(4), f32)
             for c4 in cutlass.range(self.K // 4, unroll=2):
-                if sSafe[blk, c4 // 2] == 0:
-                    self._diag_cols(sQ4, sK4, sG4, aq, ak, qr, kr, gr, blk, r, sq, rr, c4)
+                qr.store(sQ4[rr, c4, None].load().to(f32))
+                kr.store(sK4[rr, c4, None].load().to(f32))
+                gr.store(sG4[rr, c4, None].load())
+                for mm in cutlass.range_constexpr(4):
+                    if sq + 4 * mm <= r:
+                        self._diag_step(sK4, sG4, aq, ak, qr, kr, gr, blk * BC + sq + 4 * mm, c4, mm)
             for mm in cutlass.range_constexpr(4):
                 if sq + 4 * mm <= r:
-                    sAqk[rr, blk * BC + sq + 4 * mm] = io((aq[mm] + sAq32[blk, r, sq + 4 * mm]) * self.scale)
-                    sL[rr, blk * BC + sq + 4 * mm] = (ak[mm] + sL[rr, blk * BC + sq + 4 * mm]) * sBeta[rr]
-
-        @cute.jit
-        def _diag_cols(self, sQ4, sK4, sG4, aq, ak, qr, kr, gr, blk, r, sq, rr, c4):
-            """`_diagonal`'s exact sums over the 4 columns c4 of the thread's row and sources."""
-            qr.store(sQ4[rr, c4, None].load().to(f32))
-            kr.store(sK4[rr, c4, None].load().to(f32))
-            gr.store(sG4[rr, c4, None].load())
-            for mm in cutlass.range_constexpr(4):
-                if sq + 4 * mm <= r:
-                    self._diag_step(sK4, sG4, aq, ak, qr, kr, gr, blk * BC + sq + 4 * mm, c4, mm)
+                    sAqk[rr, blk * BC + sq + 4 * mm] = io(aq[mm] * self.scale)
+                    sL[rr, blk * BC + sq + 4 * mm] = ak[mm] * sBeta[rr]
 
         @cute.jit
         def _diag_step(self, sK4, sG4, aq, ak, qr, kr, gr, ss, c4, mm: cutlass.Constexpr):
@@ -254,21 +217,6 @@ def _build_kernel_class():
                 kx = ks[i] * _exp2(gr[i] - gs[i])
                 aq[mm] = aq[mm] + qr[i] * kx
                 ak[mm] = ak[mm] + kr[i] * kx
-
-        @cute.jit
-        def _span_flag(self, sG, sSafe, t):
-            """sSafe[block, step] = 1 when the gate span of diagonal block t / (K / 8) over the
-            8 columns of step t % (K / 8) is at most SPAN, else 0 (always 0 with fp16)."""
-            nk = self.K // 8
-            r0 = (t // nk) * BC
-            k0 = (t % nk) * 8
-            ok = cutlass.Int32(0)
-            if cutlass.const_expr(self.io_dtype is not cutlass.Float16):
-                ok = cutlass.Int32(1)
-                for j in cutlass.range_constexpr(8):
-                    if sG[r0, k0 + j] - sG[r0 + BC - 1, k0 + j] > SPAN:
-                        ok = cutlass.Int32(0)
-            sSafe[t // nk, t % nk] = ok
 
         @cute.jit
         def _invert_diagonal(self, sL, sX, t):
@@ -374,8 +322,6 @@ def _build_kernel_class():
             sX = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 16)
             sT = smem.allocate_tensor(f32, cute.make_layout((3, BC, BC), stride=(BC * BC, BC, 1)), 16)
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
-            sAq32 = smem.allocate_tensor(f32, cute.make_layout((BT // BC, BC, BC), stride=(BC * BC, BC, 1)), 16)
-            sSafe = smem.allocate_tensor(cutlass.Int32, cute.make_layout((BT // BC, self.K // 8), stride=(self.K // 8, 1)), 16)
             sKE = cute.make_tensor(sQ.iterator, lk)  # bf16(beta k exp2(g)): w's B operand
             sV = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=io), l64s)
             sAb = cute.make_tensor(cute.recast_ptr(sL.iterator, dtype=io), l64)  # bf16(X): A operand
@@ -423,8 +369,6 @@ def _build_kernel_class():
             )
             t8 = st8.get_slice(tidx)
 
-            if tidx < (BT // BC) * (K // 8):
-                self._span_flag(sG, sSafe, tidx)
             # kg, qg out: 8 columns per thread per step
             cK = t8.partition_D(cute.make_identity_tensor((BT, K)))
             tKg = t8.partition_D(gKg)
@@ -449,12 +393,9 @@ def _build_kernel_class():
                         cute.copy(st8, rqg, tQg[None, m, n])
 
             # ---------------- phase 1: Aqk (staged in sX's storage) and L
-            cute.arch.sync_threads()  # sSafe
-            for p in cutlass.range_constexpr(len(BLOCKS)):
-                if wid == p % (THREADS // 32):
-                    self._block(sQ, sK, sG, sBeta, sAqk, sL, sAq32, sSafe, lane, BLOCKS[p][0], BLOCKS[p][1])
-            cute.arch.sync_threads()
-            self._diagonal(sQ4, sK4, sG4, sBeta, sAqk, sL, sAq32, sSafe, tidx)
+            if wid < 6:
+                self._below_diagonal(sQ, sK, sG, sBeta, sAqk, sL, wid, lane)
+            self._diagonal(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx)
             cute.arch.sync_threads()
             cA64 = t8.partition_D(cute.make_identity_tensor((BT, BT)))
             tAqk = t8.partition_D(gAqk)
