@@ -4,7 +4,9 @@ Bad input fails here, with the argument named, before any kernel runs. Flags the
 implement (cu_seqlens, cp_context, safe_gate, state_v_first, chunk_size != 64,
 disable_recompute, return_intermediate_states, use_graph) send the WHOLE call to fla, logged
 once and recorded as the range `kda::chunk_kda::fla::<reason>` so the witness shows it; where
-fla cannot run (no CUDA), such a call raises rather than silently doing something else.
+fla cannot run (no CUDA), such a call raises rather than silently doing something else, except
+a packed (cu_seqlens) call with no other such flag: it runs the chain once per sequence
+(`kda::chunk_kda::per_sequence::<reason>`), the CPU path CI tests varlen through.
 """
 
 from __future__ import annotations
@@ -47,6 +49,23 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(f"chunk_kda: {msg}")
 
 
+def _check_cu_seqlens(cu, B, T, dev) -> None:
+    """fla's varlen layout: B == 1, cu_seqlens 1-D int32 / int64 on q's device, N + 1 >= 2 offsets
+    from 0 to T, non-decreasing. The values are read only on the CPU (on a GPU that is a host sync,
+    which fla does not make either)."""
+    _check(isinstance(cu, torch.Tensor), f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
+    _check(cu.dim() == 1 and cu.numel() >= 2,
+           f"cu_seqlens must be 1-D with N + 1 >= 2 offsets, got shape {list(cu.shape)}")
+    _check(cu.dtype in (torch.int32, torch.int64), f"cu_seqlens must be int32 or int64, got {cu.dtype}")
+    _check(cu.device == dev, f"cu_seqlens is on {cu.device} but q is on {dev}")
+    _check(B == 1, f"with cu_seqlens the sequences are packed along T: q must be [1, total_T, H, K], got B={B}")
+    if cu.device.type == "cpu":
+        offs = cu.tolist()
+        _check(offs[0] == 0 and offs[-1] == T,
+               f"cu_seqlens must run from 0 to total_T={T}, got {offs[0]} .. {offs[-1]}")
+        _check(all(a <= b for a, b in zip(offs, offs[1:])), "cu_seqlens must be non-decreasing")
+
+
 def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
              use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens=None) -> None:
     """Every check fla makes, plus device/dtype/stride checks fla leaves to a crash."""
@@ -70,6 +89,8 @@ def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel
             _check(t.device == dev, f"{name} is on {t.device} but q is on {dev}")
     _check(k.dtype == q.dtype, f"k dtype {k.dtype} differs from q dtype {q.dtype}")
     _check(v.dtype == q.dtype, f"v dtype {v.dtype} differs from q dtype {q.dtype}")
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, B, T, dev)
     if initial_state is not None:
         V = v.shape[3]
         N = B if cu_seqlens is None else len(cu_seqlens) - 1  # varlen: one state per sequence
@@ -146,6 +167,17 @@ def chunk_kda(
         return_intermediate_states=return_intermediate_states)
     if reason is not None:
         no_fla = S.fla_gate(q)
+        if no_fla is not None and cu_seqlens is not None and _delegated_reason(
+                chunk_size=chunk_size, safe_gate=safe_gate, state_v_first=state_v_first, cu_seqlens=None,
+                cp_context=cp_context, use_graph=use_graph, disable_recompute=disable_recompute,
+                return_intermediate_states=return_intermediate_states) is None:
+            why = f"{reason}; fla cannot run here ({no_fla}): the chain once per sequence"
+            registry.log_once(f"kda_chain: varlen call: {why}", logger=log)
+            S.dispatch_log().append(S.Choice("chunk_kda", "per_sequence", why))
+            with stage_range("chunk_kda", "per_sequence", why):
+                return _per_sequence(cu_seqlens, q, k, v, g, beta, A_log, dt_bias, initial_state, scale,
+                                     output_final_state, chunk_size, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                     use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound)
         if no_fla is not None:
             raise NotImplementedError(f"chunk_kda: {reason}, and fla cannot run here ({no_fla})")
         registry.log_once(f"kda_chain: whole call to fla: {reason}", logger=log)
@@ -162,6 +194,15 @@ def chunk_kda(
                 state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                 cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs, **kwargs)
 
+    return _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, chunk_size,
+                  use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                  lower_bound)
+
+
+def _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, chunk_size,
+           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+           lower_bound):
+    """The chain on validated [B, T, ...] inputs (no varlen)."""
     if q.shape[1] == 0:  # fla's answer at T = 0, without launching anything
         return EmptyKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state)
     if scale is None:
@@ -174,6 +215,22 @@ def chunk_kda(
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     return op.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, flags)
+
+
+def _per_sequence(cu_seqlens, q, k, v, g, beta, A_log, dt_bias, initial_state, *args):
+    """A packed call ([1, total_T, ...], offsets cu_seqlens, states [N, ...]) as one chain call per
+    sequence, each from its own initial state; o concatenated along T, ht stacked along N. The
+    offsets are read on the host (CPU tensors here: no device sync)."""
+    output_final_state = args[1]
+    offs = [int(x) for x in cu_seqlens.tolist()]
+    outs, hts = [], []
+    for n in range(len(offs) - 1):
+        a, b = offs[n], offs[n + 1]
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, ht = _dense(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], A_log, dt_bias, h0, *args)
+        outs.append(o)
+        hts.append(ht)
+    return torch.cat(outs, 1), (torch.cat(hts, 0) if output_final_state else None)
 
 
 def is_supported(q: torch.Tensor, v: torch.Tensor | None = None, **flags) -> dict[str, str | None]:

@@ -16,7 +16,7 @@ def device_guard(t: torch.Tensor):
 class EmptyKDAFunction(torch.autograd.Function):
     """T = 0, as fla 0.6.0 answers it on CUDA (its kernels launch empty grids, its state kernel
     copies h0 out): o empty [B, 0, HV, V] in q's dtype; ht = h0 as a fresh fp32 tensor (zeros
-    without h0) when asked, else None. Backward: empty gradients for the token inputs, zeros for
+    without h0; float64 with float64 inputs, the reference's precision) when asked, else None. Backward: empty gradients for the token inputs, zeros for
     A_log / dt_bias, dh0 = dht (zeros without dht)."""
 
     @staticmethod
@@ -28,9 +28,10 @@ class EmptyKDAFunction(torch.autograd.Function):
         o = v.new_empty((B, 0, HV, V), dtype=q.dtype)
         if not output_final_state:
             return o, None
+        st = torch.float64 if q.dtype == torch.float64 else torch.float32
         if initial_state is not None:
-            return o, initial_state.float().clone()
-        return o, v.new_zeros((B, HV, K, V), dtype=torch.float32)
+            return o, initial_state.to(st, copy=True)
+        return o, v.new_zeros((B, HV, K, V), dtype=st)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

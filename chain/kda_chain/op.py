@@ -43,8 +43,7 @@ def _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, l2norm, gate,
     f32 = _f32(q)
     return [
         ((B, T, HV, V), q.dtype),  # o
-        ((B, HV, K, V), torch.float32 if initial_state is None else initial_state.dtype)
-        if output_final_state else None,  # ht
+        ((B, HV, K, V), f32) if output_final_state else None,  # ht: fp32 (float64 for float64 q)
         ((B, T, H, K), q.dtype) if l2norm else None,  # q, l2-normalized
         ((B, T, H), f32) if l2norm else None,  # q_rstd
         ((B, T, H, K), k.dtype) if l2norm else None,  # k, l2-normalized

@@ -26,17 +26,19 @@ def _call(x, **kw):
                      dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True, **kw)
 
 
+@pytest.mark.parametrize("qdt", [torch.float32, torch.float64])
 @pytest.mark.parametrize("with_h0", [True, False])
-def test_T0_returns_fla_s_empty_result(with_h0):
-    """fla 0.6.0 on CUDA (H200, 2026-12-01): o empty, ht a fresh fp32 copy of h0 (zeros without);
-    backward: dh0 = dht, empty token gradients."""
-    x = _x(T=0)
+def test_T0_returns_fla_s_empty_result(with_h0, qdt):
+    """fla 0.6.0 on CUDA (H200, 2026-12-01): o empty, ht a fresh fp32 copy of h0 (zeros without;
+    float64 with float64 inputs, the reference's precision); backward: dh0 = dht, empty token
+    gradients."""
+    x = _x(T=0, dtype=qdt)
     h0 = x["h0"] if with_h0 else None
     o, ht = _call(x, initial_state=h0, output_final_state=True)
     assert o.shape == (1, 0, 2, 8) and o.dtype == x["q"].dtype
-    assert ht.dtype == torch.float32 and ht.shape == (1, 2, 16, 8)
+    assert ht.dtype == qdt and ht.shape == (1, 2, 16, 8)
     if with_h0:
-        assert torch.equal(ht, h0.detach().float()) and ht.data_ptr() != h0.data_ptr()
+        assert torch.equal(ht, h0.detach()) and ht.data_ptr() != h0.data_ptr()
     else:
         assert not ht.any()
     dht = torch.randn_like(ht)
@@ -82,16 +84,46 @@ def test_float64_initial_state_needs_float64_inputs(qdt):
         _call(x, initial_state=x["h0"].detach().double())
 
 
+@pytest.mark.parametrize("h0dt", [None, torch.float32, torch.float64])
+def test_float64_final_state_is_float64(h0dt):
+    """float64 inputs (the reference's precision) give a float64 final state, with a float32, a
+    float64 or no initial state (the op once declared float32 without one: the call raised)."""
+    x = _x(T=64)
+    h0 = None if h0dt is None else x["h0"].detach().to(h0dt)
+    _, ht = _call(x, initial_state=h0, output_final_state=True)
+    assert ht.dtype == torch.float64 and ht.shape == (1, 2, 16, 8)
+
+
 def test_varlen_initial_state_has_one_state_per_sequence():
-    """With cu_seqlens the state batch is the sequence count (fla's rule), not q's batch of 1; on
-    CPU the call then stops because only fla runs varlen, and says so."""
+    """With cu_seqlens the state batch is the sequence count (fla's rule), not q's batch of 1."""
     x = _x(B=1, T=64)
     cu = torch.tensor([0, 20, 64])
     h0 = torch.randn(2, 2, 16, 8, dtype=D)
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        _call(x, initial_state=h0, cu_seqlens=cu)
+    o, ht = _call(x, initial_state=h0, cu_seqlens=cu, output_final_state=True)
+    assert o.shape == (1, 64, 2, 8) and ht.shape == (2, 2, 16, 8)
     with pytest.raises(ValueError, match=r"initial_state must have shape \[2, 2, 16, 8\]"):
         _call(x, initial_state=h0[:1], cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("cu, B, needle", [
+    (torch.tensor([0, 20, 64]), 2, "must be \\[1, total_T, H, K\\], got B=2"),
+    (torch.tensor([1, 20, 64]), 1, "from 0 to total_T=64, got 1 .. 64"),
+    (torch.tensor([0, 20, 63]), 1, "from 0 to total_T=64, got 0 .. 63"),
+    (torch.tensor([0, 30, 20, 64]), 1, "non-decreasing"),
+    (torch.tensor([0.0, 64.0]), 1, "int32 or int64"),
+    (torch.tensor([[0, 64]]), 1, "1-D with N \\+ 1 >= 2 offsets"),
+    (torch.tensor([0]), 1, "1-D with N \\+ 1 >= 2 offsets"),
+])
+def test_bad_cu_seqlens_fail_in_one_line(cu, B, needle):
+    x = _x(B=B, T=64)
+    with pytest.raises(ValueError, match=needle):
+        _call(x, cu_seqlens=cu)
+
+
+def test_varlen_with_another_unimplemented_flag_still_needs_fla():
+    x = _x(B=1, T=64)
+    with pytest.raises(NotImplementedError, match="cu_seqlens.*fla cannot run here"):
+        _call(x, cu_seqlens=torch.tensor([0, 64]), safe_gate=True)
 
 
 def test_transpose_state_layout_is_fla_s_deprecated_state_v_first():

@@ -131,3 +131,31 @@ def naive_kda(
         bc = torch.sigmoid(bc) * (2.0 if allow_neg_eigval else 1.0)
     o, ht = naive_recurrent_kda(qc, kc, v.to(dt), gc, bc, scale, initial_state, output_final_state)
     return o.to(q.dtype), ht
+
+
+def naive_kda_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    **flags,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`naive_kda` over packed sequences (fla's varlen layout): q, k, v, g, beta are [1, total_T,
+    ...] and sequence n is rows cu_seqlens[n] : cu_seqlens[n + 1]; initial_state [N, HV, K, V].
+    Each sequence runs alone from its own state (nothing crosses a boundary); returns o
+    [1, total_T, HV, V] and ht [N, HV, K, V] (or None). `flags`: naive_kda's in-op extras."""
+    offs = [int(x) for x in cu_seqlens.tolist()]
+    outs, hts = [], []
+    for n in range(len(offs) - 1):
+        a, b = offs[n], offs[n + 1]
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, ht = naive_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale, h0,
+                          output_final_state, **flags)
+        outs.append(o)
+        hts.append(ht)
+    return torch.cat(outs, 1), (torch.cat(hts, 0) if output_final_state else None)
