@@ -35,7 +35,8 @@ class StageCheck:
 
 
 CHECKS = {
-    "bwd_wy_dqkg": StageCheck("wy_dqkg", "bwd_wy_dqkg", "_fla_bwd_wy_dqkg", ("dq", "dk", "dv2", "db", "dg", "dAkk")),
+    "bwd_wy_dqkg": StageCheck("wy_dqkg", "bwd_wy_dqkg", "_fla_bwd_wy_dqkg",
+                              ("dq", "dk", "dv2", "db", "dg", "dAkk")),
     "fwd_intra": StageCheck("prep", "fwd_intra", "_fla_fwd_intra", ("w", "u", "qg", "kg", "Aqk", "Akk")),
 }
 
@@ -118,7 +119,8 @@ def timing(stage, name, args):
     t_ours = median_ms(run_ours, inner=3)
     t_fla = median_ms(run_fla, inner=3)
     print(
-        f"TIME {stage} {name}: ours {t_ours:.3f} ms, fla {t_fla:.3f} ms, fla/ours {t_fla / t_ours:.2f}x", flush=True
+        f"TIME {stage} {name}: ours {t_ours:.3f} ms, fla {t_fla:.3f} ms, fla/ours {t_fla / t_ours:.2f}x",
+        flush=True,
     )
 
 

@@ -58,9 +58,11 @@ def main() -> int:
     me = [sys.executable, __file__, "--rounds", str(a.rounds)]
     files = [a.out / "proc0.json", a.out / "proc1.json", a.out / "alone.json"]
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([*me, "--worker", str(files[i]), *(["--reverse"] if i else [])]) for i in range(2)]
+    procs = [subprocess.Popen([*me, "--worker", str(files[i]), *(["--reverse"] if i else [])])
+             for i in range(2)]
     rcs = [p.wait() for p in procs]
-    print(f"shared_gpu: two concurrent processes done in {time.perf_counter() - t0:.1f} s, rc {rcs}", flush=True)
+    print(f"shared_gpu: two concurrent processes done in {time.perf_counter() - t0:.1f} s, rc {rcs}",
+          flush=True)
     rcs.append(subprocess.run([*me, "--worker", str(files[2])]).returncode)
     if any(rcs):
         print(f"shared_gpu: FAIL (a process exited {rcs})", flush=True)
@@ -77,7 +79,8 @@ def main() -> int:
             if res[i]["impls"].get(stage) != impls:
                 bad.append(f"proc{i}: stage {stage} ran {res[i]['impls'].get(stage)}, alone {impls}")
     cute = sorted(s for s, v in alone.items() if "cute" in v)
-    print(f"shared_gpu: {len(SHAPES)} shapes x {a.rounds} rounds per process; CuTe stages run: {cute}", flush=True)
+    print(f"shared_gpu: {len(SHAPES)} shapes x {a.rounds} rounds per process; CuTe stages run: {cute}",
+          flush=True)
     for b in bad:
         print("PROBLEM", b, flush=True)
     print("shared_gpu: OK" if not bad else f"shared_gpu: FAIL ({len(bad)} problems)", flush=True)

@@ -58,12 +58,13 @@ def _check_cu_seqlens(cu, B, T, dev) -> None:
            f"cu_seqlens must be 1-D with N + 1 >= 2 offsets, got shape {list(cu.shape)}")
     _check(cu.dtype in (torch.int32, torch.int64), f"cu_seqlens must be int32 or int64, got {cu.dtype}")
     _check(cu.device == dev, f"cu_seqlens is on {cu.device} but q is on {dev}")
-    _check(B == 1, f"with cu_seqlens the sequences are packed along T: q must be [1, total_T, H, K], got B={B}")
+    _check(B == 1, "with cu_seqlens the sequences are packed along T: q must be [1, total_T, H, K], "
+           f"got B={B}")
     if cu.device.type == "cpu":
         offs = cu.tolist()
         _check(offs[0] == 0 and offs[-1] == T,
                f"cu_seqlens must run from 0 to total_T={T}, got {offs[0]} .. {offs[-1]}")
-        _check(all(a <= b for a, b in zip(offs, offs[1:])), "cu_seqlens must be non-decreasing")
+        _check(all(a <= b for a, b in zip(offs, offs[1:], strict=False)), "cu_seqlens must be non-decreasing")
 
 
 def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
@@ -176,8 +177,9 @@ def chunk_kda(
             S.dispatch_log().append(S.Choice("chunk_kda", "per_sequence", why))
             with stage_range("chunk_kda", "per_sequence", why):
                 return _per_sequence(cu_seqlens, q, k, v, g, beta, A_log, dt_bias, initial_state, scale,
-                                     output_final_state, chunk_size, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                                     use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound)
+                                     output_final_state, chunk_size, use_qk_l2norm_in_kernel,
+                                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                                     lower_bound)
         if no_fla is not None:
             raise NotImplementedError(f"chunk_kda: {reason}, and fla cannot run here ({no_fla})")
         registry.log_once(f"kda_chain: whole call to fla: {reason}", logger=log)

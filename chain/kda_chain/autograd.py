@@ -16,8 +16,9 @@ def device_guard(t: torch.Tensor):
 class EmptyKDAFunction(torch.autograd.Function):
     """T = 0, as fla 0.6.0 answers it on CUDA (its kernels launch empty grids, its state kernel
     copies h0 out): o empty [B, 0, HV, V] in q's dtype; ht = h0 as a fresh fp32 tensor (zeros
-    without h0; float64 with float64 inputs, the reference's precision) when asked, else None. Backward: empty gradients for the token inputs, zeros for
-    A_log / dt_bias, dh0 = dht (zeros without dht)."""
+    without h0; float64 with float64 inputs, the reference's precision) when asked, else None.
+    Backward: empty gradients for the token inputs, zeros for A_log / dt_bias, dh0 = dht (zeros
+    without dht)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state: bool):

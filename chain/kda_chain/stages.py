@@ -365,7 +365,8 @@ def _two(name: str, fla_fn: Callable) -> Stage:
 
 
 # fla's function for every CuTe stage of kda_cute.registry (the per-stage fallback)
-_FLA_OF_CUTE = {"fwd_intra": _fla_fwd_intra, "fwd": _fla_fwd_scan, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu, "bwd_wy_dqkg": _fla_bwd_wy_dqkg,
+_FLA_OF_CUTE = {"fwd_intra": _fla_fwd_intra, "fwd": _fla_fwd_scan, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu,
+                "bwd_wy_dqkg": _fla_bwd_wy_dqkg,
                 "intra": _fla_bwd_intra}
 # The stages with a CuTe kernel, one per registry record: kda_cute.<name>, then fla, then the reference.
 CUTE_STAGES = {

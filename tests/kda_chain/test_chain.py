@@ -183,7 +183,7 @@ def test_gate_in_kernel_needs_A_log_and_neg_eigval_needs_sigmoid():
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(cu_seqlens=torch.tensor([0, 64]), disable_recompute=True), "cu_seqlens"),  # alone: tests/kda_chain/test_varlen.py
+    (dict(cu_seqlens=torch.tensor([0, 64]), disable_recompute=True), "cu_seqlens"),  # alone: test_varlen.py
     (dict(safe_gate=True), "safe_gate"),
     (dict(state_v_first=True), "state_v_first"),
     (dict(chunk_size=32), "chunk_size 32"),

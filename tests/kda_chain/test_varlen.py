@@ -39,10 +39,11 @@ def _run(fn, x, cu):
 
 def _grads(x, o, ht, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    loss = (o * torch.randn(o.shape, generator=gen, dtype=D)).sum() + (ht * torch.randn(ht.shape, generator=gen,
-                                                                                         dtype=D)).sum()
-    leaves = [t for t in x.values() if t is not None]
-    return dict(zip([n for n, t in x.items() if t is not None], torch.autograd.grad(loss, leaves), strict=True))
+    do = torch.randn(o.shape, generator=gen, dtype=D)
+    dht = torch.randn(ht.shape, generator=gen, dtype=D)
+    loss = (o * do).sum() + (ht * dht).sum()
+    names = [n for n, t in x.items() if t is not None]
+    return dict(zip(names, torch.autograd.grad(loss, [x[n] for n in names]), strict=True))
 
 
 @pytest.mark.parametrize("h0", [True, False])
@@ -90,6 +91,6 @@ def test_one_sequence_is_the_dense_call():
     """cu_seqlens = [0, T] gives exactly the dense call's o and ht."""
     x, cu = _inputs([130])
     o, ht = _run(chunk_kda, x, cu)
-    od, htd = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
-                        A_log=x["A_log"], dt_bias=x["dt_bias"], **FLAGS)
+    od, htd = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
+                        output_final_state=True, A_log=x["A_log"], dt_bias=x["dt_bias"], **FLAGS)
     assert torch.equal(o, od) and torch.equal(ht, htd)

@@ -54,11 +54,11 @@ against float64 and fla's roundings.
 import functools
 from dataclasses import dataclass
 
-import torch
-
+from . import _warp
 from ._common.cache import CallCache, alloc
 from ._common.lazy import cutlass_dtype
-from ._common.support import compile_arch, device_reason
+from ._common.support import compile_arch
+from ._warp import DT
 
 BT = 64  # chunk
 BC = 16  # diagonal block
@@ -93,7 +93,7 @@ def _build_kernel_class():
     import cutlass
     import cutlass.cute as cute
     from cutlass._mlir.dialects import arith
-    from cutlass.cute.nvgpu import cpasync, warp
+    from cutlass.cute.nvgpu import warp
     from cutlass.cutlass_dsl import T
 
     f32 = cutlass.Float32
@@ -105,11 +105,6 @@ def _build_kernel_class():
         """x rounded to tf32 (nearest, ties away) as its bit pattern: the mma reads the top 19
         bits, so adding half a tf32 ulp rounds (fla's tl.dot converts with cvt.rna)."""
         return cutlass.Int32(arith.bitcast(T.i32(), f32(x).ir_value())) + 0x1000
-
-    def _gmem(t):
-        """t (a DLPack view: generic address space) as a global-memory tensor (cp.async needs it)."""
-        ptr = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
-        return cute.make_tensor(ptr, t.layout)
 
     class _Kernel(KdaPrep):
         @cute.jit
@@ -281,7 +276,7 @@ def _build_kernel_class():
             NV = self.NV
             io = self.io_dtype
             mQ, mK, mV, mG, mW, mU, mQg, mKg, mAqk, mAkk = (
-                _gmem(t) for t in (mQ, mK, mV, mG, mW, mU, mQg, mKg, mAqk, mAkk))
+                _warp.gmem(t) for t in (mQ, mK, mV, mG, mW, mU, mQg, mKg, mAqk, mAkk))
             tidx, _, _ = cute.arch.thread_idx()
             t_idx, hv, b = cute.arch.block_idx()
             h = hv // self.gsize
@@ -305,9 +300,7 @@ def _build_kernel_class():
             # second role once their first is dead: q -> bf16(beta k E) (phase 3), g -> the V
             # ring (phase 4), L -> bf16(X) (phase 3), X <- the Aqk staging (phase 1).
             smem = cutlass.memory.SmemAllocator()
-            atom = cute.make_composed_layout(
-                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
-            )
+            atom = _warp.swizzle_atom()
             l64 = cute.tile_to_shape(atom, (BT, BT), (0, 1))
             l64s = cute.tile_to_shape(atom, (BT, BV, STAGES), (0, 1, 2))
             lk = cute.tile_to_shape(atom, (BT, K), (0, 1))
@@ -337,17 +330,7 @@ def _build_kernel_class():
             sAqk8 = cute.make_tensor(sAqk.iterator, cute.make_layout((BT, BT // 8, 8), stride=(AS, 8, 1)))
 
             # ---------------- phase 0: cp.async loads (16 bytes per thread per copy)
-            g2s = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
-            cp_io = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(g2s, io, num_bits_per_copy=128),
-                cute.make_layout((THREADS // 8, 8), stride=(8, 1)),
-                cute.make_layout((1, 8)),
-            )
-            cp_f32 = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(g2s, f32, num_bits_per_copy=128),
-                cute.make_layout((THREADS // 32, 32), stride=(32, 1)),
-                cute.make_layout((1, 4)),
-            )
+            cp_io, cp_f32 = _warp.cp_async_copies(io, THREADS)
             tio = cp_io.get_slice(tidx)
             tf = cp_f32.get_slice(tidx)
             tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
@@ -465,8 +448,7 @@ def _build_kernel_class():
                 warp.MmaF16BF16Op(io, f32, (16, 8, 16)), (4, 2, 1), permutation_mnk=(64, 64, 16)
             )
             thr = tiled_mma.get_slice(tidx)
-            ld_n = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), io)
-            ld_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), io)
+            ld_n, ld_t = _warp.ldmatrix_atoms(io)
             tcAn = cute.make_tiled_copy_A(ld_n, tiled_mma)
             tcBt = cute.make_tiled_copy_B(ld_t, tiled_mma)
             cpAn = tcAn.get_slice(tidx)
@@ -530,8 +512,6 @@ _kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL impo
 
 
 # ----------------------------------------------------------------------------------- host side
-_IO = (torch.bfloat16, torch.float16)
-_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _NAMES = ("q", "k", "v", "gk", "beta")
 
 
@@ -557,24 +537,8 @@ def _hard_reason(q, k, v, gk, beta, chunk_size) -> str | None:
         return f"gk must be [B,T,HV,K]; got {tuple(gk.shape)}"
     if beta.shape != (B, T, HV):
         return f"beta must be [B,T,HV]; got {tuple(beta.shape)}"
-    if q.dtype not in _IO:
-        return f"q dtype {q.dtype} (bf16 or fp16 expected)"
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            return f"{name} dtype {t.dtype} != q's {q.dtype}"
-    if gk.dtype != torch.float32:
-        return f"gk must be float32; got {gk.dtype}"
-    if beta.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"beta dtype {beta.dtype} (bf16 / fp16 / fp32 expected)"
-    args = (q, k, v, gk, beta)
-    for name, t in zip(_NAMES, args, strict=True):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
-        if t.data_ptr() % 16:
-            return f"{name} is not 16-byte aligned"
-    if len({t.device for t in args}) != 1:
-        return "tensors on different devices"
-    return device_reason(q)
+    return _warp.dtype_reason(q, (("k", k), ("v", v)), gk, beta) or _warp.layout_reason(
+        _NAMES, (q, k, v, gk, beta))
 
 
 def is_supported(q, k, v, gk, beta, scale, chunk_size=BT, want_qg=False) -> str | None:
@@ -599,7 +563,7 @@ class PrepConfig:
 
 
 def _config(q, v, beta, scale, want_qg) -> PrepConfig:
-    return PrepConfig(_DT[q.dtype], _DT[beta.dtype], q.shape[3], v.shape[3], q.shape[2], v.shape[2],
+    return PrepConfig(DT[q.dtype], DT[beta.dtype], q.shape[3], v.shape[3], q.shape[2], v.shape[2],
                       float(scale), bool(want_qg), compile_arch())
 
 
@@ -636,14 +600,9 @@ def _build(views, stream, cfg: PrepConfig, options: str = ""):
 
 def compile_for(q, k, v, gk, beta, scale, want_qg=True, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
-    import cuda.bindings.driver as cuda
-
-    from ._common.cache import cute_view
-
     args = _kernel_args(q, k, v, gk, beta, _outputs(q, v, want_qg, q.device))
-    views = [cute_view(t, (0, 1)) for t in args]
     cfg = _config(q, v, beta, scale, want_qg)
-    return _build(views, cuda.CUstream(0), cfg, "--keep-ptx" if keep_ptx else "")
+    return _warp.compile_only(lambda views, stream, opts: _build(views, stream, cfg, opts), args, keep_ptx)
 
 
 def fwd_intra(q, k, v, gk, beta, scale, chunk_size=BT, want_qg=False):
@@ -659,6 +618,5 @@ def launch(q, k, v, gk, beta, scale, chunk_size=BT, want_qg=False):
     outs = _outputs(q, v, want_qg, q.device)
     args = _kernel_args(q, k, v, gk, beta, outs)
     cfg = _config(q, v, beta, scale, want_qg)
-    _cache.launch(cfg, args, ((0, 1),) * len(args),
-                  lambda views, stream, opts: _build(views, stream, cfg, opts))
+    _warp.launch(_cache, cfg, args, lambda views, stream, opts: _build(views, stream, cfg, opts))
     return outs

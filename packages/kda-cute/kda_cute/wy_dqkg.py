@@ -64,9 +64,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _warp
 from ._common.cache import CallCache, alloc
 from ._common.lazy import cutlass_dtype
-from ._common.support import compile_arch, device_reason
+from ._common.support import compile_arch
+from ._warp import DT
 
 BT = 64  # chunk
 BV = 64  # V tile
@@ -95,7 +97,7 @@ def _build_kernel_class():
     """Defined lazily so importing this module does not import the DSL (seconds)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.nvgpu import cpasync, warp
+    from cutlass.cute.nvgpu import warp
 
     f32 = cutlass.Float32
 
@@ -110,11 +112,6 @@ def _build_kernel_class():
             stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
         )
         return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
-
-    def _gmem(t):
-        """t (a DLPack view: generic address space) as a global-memory tensor (cp.async needs it)."""
-        ptr = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
-        return cute.make_tensor(ptr, t.layout)
 
     class _Kernel(KdaWyDqkg):
         @cute.jit
@@ -173,7 +170,7 @@ def _build_kernel_class():
             NV = self.NV
             io = self.io_dtype
             mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDg, mDA = (
-                _gmem(t) for t in (mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDg, mDA))
+                _warp.gmem(t) for t in (mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDg, mDA))
             tidx, _, _ = cute.arch.thread_idx()
             t_idx, hv, b = cute.arch.block_idx()
             h = hv // self.gsize
@@ -202,9 +199,7 @@ def _build_kernel_class():
 
             # ---------------- shared memory
             smem = cutlass.memory.SmemAllocator()
-            atom = cute.make_composed_layout(
-                cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
-            )
+            atom = _warp.swizzle_atom()
             l64 = cute.tile_to_shape(atom, (BT, BV), (0, 1))
             l64s = cute.tile_to_shape(atom, (BT, BV, STAGES), (0, 1, 2))
             lks = cute.tile_to_shape(atom, (K, BV, STAGES), (0, 1, 2))
@@ -238,17 +233,7 @@ def _build_kernel_class():
             sDWT = cute.composition(sDW, cute.make_layout((K, BT), stride=(BT, 1)))
 
             # ---------------- cp.async tiled copies (16 bytes per thread per copy)
-            g2s = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
-            cp_io = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(g2s, io, num_bits_per_copy=128),
-                cute.make_layout((THREADS // 8, 8), stride=(8, 1)),
-                cute.make_layout((1, 8)),
-            )
-            cp_f32 = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(g2s, f32, num_bits_per_copy=128),
-                cute.make_layout((THREADS // 32, 32), stride=(32, 1)),
-                cute.make_layout((1, 4)),
-            )
+            cp_io, cp_f32 = _warp.cp_async_copies(io, THREADS)
             # smem -> gmem (dv2) and rmem -> gmem (fp32 C fragments, column pairs) stores
             st_io = cute.make_tiled_copy_tv(
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io, num_bits_per_copy=128),
@@ -299,8 +284,7 @@ def _build_kernel_class():
                 warp.MmaF16BF16Op(io, f32, (16, 8, 16)), (4, 4, 1), permutation_mnk=(64, 64, 16)
             )
             thr = tiled_mma.get_slice(tidx)
-            ld_n = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), io)
-            ld_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), io)
+            ld_n, ld_t = _warp.ldmatrix_atoms(io)
             # ldmatrix copies of the mma operands (n: K-contiguous smem, t: M / N-contiguous)
             tcAn = cute.make_tiled_copy_A(ld_n, tiled_mma)
             tcAt = cute.make_tiled_copy_A(ld_t, tiled_mma)
@@ -584,8 +568,6 @@ _kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL impo
 
 
 # ----------------------------------------------------------------------------------- host side
-_IO = (torch.bfloat16, torch.float16)
-_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _NAMES = ("q", "k", "v", "v_new", "gk", "beta", "Akk", "h", "do", "dh", "dv")
 
 
@@ -618,25 +600,9 @@ def _hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv) -> str | None:
             return f"{name} must be [B,NT,HV,K,V] = {(B, NT, HV, K, V)}; got {tuple(t.shape)}"
     if beta.shape != (B, T, HV):
         return f"beta must be [B,T,HV]; got {tuple(beta.shape)}"
-    if q.dtype not in _IO:
-        return f"q dtype {q.dtype} (bf16 or fp16 expected)"
-    for name, t in (("k", k), ("v", v), ("v_new", v_new), ("Akk", Akk), ("h", h), ("do", do),
-                    ("dh", dh), ("dv", dv)):
-        if t.dtype != q.dtype:
-            return f"{name} dtype {t.dtype} != q's {q.dtype}"
-    if gk.dtype != torch.float32:
-        return f"gk must be float32; got {gk.dtype}"
-    if beta.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"beta dtype {beta.dtype} (bf16 / fp16 / fp32 expected)"
-    args = (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
-    for name, t in zip(_NAMES, args, strict=True):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
-        if t.data_ptr() % 16:
-            return f"{name} is not 16-byte aligned"
-    if len({t.device for t in args}) != 1:
-        return "tensors on different devices"
-    return device_reason(q)
+    same = (("k", k), ("v", v), ("v_new", v_new), ("Akk", Akk), ("h", h), ("do", do), ("dh", dh), ("dv", dv))
+    return _warp.dtype_reason(q, same, gk, beta) or _warp.layout_reason(
+        _NAMES, (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv))
 
 
 def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale) -> str | None:
@@ -660,7 +626,7 @@ class WyDqkgConfig:
 
 
 def _config(q, v, beta, scale) -> WyDqkgConfig:
-    return WyDqkgConfig(_DT[q.dtype], _DT[beta.dtype], q.shape[3], v.shape[3], q.shape[2], v.shape[2],
+    return WyDqkgConfig(DT[q.dtype], DT[beta.dtype], q.shape[3], v.shape[3], q.shape[2], v.shape[2],
                         float(scale), compile_arch())
 
 
@@ -690,14 +656,9 @@ def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
 
 def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
-    import cuda.bindings.driver as cuda
-
-    from ._common.cache import cute_view
-
-    outs = _outputs(q, v, device=q.device)
-    args = (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, *outs)
-    views = [cute_view(t, (0, 1)) for t in args]
-    return _build(views, cuda.CUstream(0), _config(q, v, beta, scale), "--keep-ptx" if keep_ptx else "")
+    cfg = _config(q, v, beta, scale)
+    args = (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, *_outputs(q, v, device=q.device))
+    return _warp.compile_only(lambda views, stream, opts: _build(views, stream, cfg, opts), args, keep_ptx)
 
 
 def bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale):
@@ -714,6 +675,5 @@ def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale):
     outs = _outputs(q, v, q.device)
     args = (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, *outs)
     cfg = _config(q, v, beta, scale)
-    _cache.launch(cfg, args, ((0, 1),) * len(args),
-                  lambda views, stream, opts: _build(views, stream, cfg, opts))
+    _warp.launch(_cache, cfg, args, lambda views, stream, opts: _build(views, stream, cfg, opts))
     return outs

@@ -19,13 +19,13 @@ no effect, but its address must lie in one of the `prefetch_ok` byte ranges (non
 
 Modelled: the integer, predicate, selection and branch opcodes, ld / st (param, global, shared;
 vectors), float32 add / sub / mul / fma (round to nearest), min / max / neg / abs, setp.f32
-(ordered, and unordered: leu etc. are true on NaN), neg .{bf16, f16, bf16x2, f16x2} (sign bits), the bf16 / fp16 / tf32 conversions of `numerics`, prmt,
-dp2a, shfl.sync (bfly and idx), mma.sync m16n8k8 row.col f32.tf32.tf32.f32. Any other float-typed
-opcode of the integer families (add.bf16x2, min.ftz.f32, setp.lt.f16, ...) raises
-NotImplementedError rather than running as integer arithmetic on the bits. ex2.approx.ftz.f32
-is modelled as exact exp2 with flush-to-zero (the hardware's ~2 ulp error is not), the mma
-operands as tf32-truncated (their low 13 bits dropped) with a float64 sum rounded once to float32
-(the hardware's accumulation order is not modelled).
+(ordered, and unordered: leu etc. are true on NaN), neg .{bf16, f16, bf16x2, f16x2} (sign bits), the
+bf16 / fp16 / tf32 conversions of `numerics`, prmt, dp2a, shfl.sync (bfly and idx), mma.sync m16n8k8
+row.col f32.tf32.tf32.f32. Any other float-typed opcode of the integer families (add.bf16x2,
+min.ftz.f32, setp.lt.f16, ...) raises NotImplementedError rather than running as integer arithmetic
+on the bits. ex2.approx.ftz.f32 is modelled as exact exp2 with flush-to-zero (the hardware's ~2 ulp
+error is not), the mma operands as tf32-truncated (their low 13 bits dropped) with a float64 sum
+rounded once to float32 (the hardware's accumulation order is not modelled).
 Not modelled: timing, caches, memory ordering between threads except at the collectives (a thread
 runs until it yields, so a data race shows only if that order exposes it), bank conflicts,
 out-of-range addresses beyond the emulated memories' ends (an IndexError), every opcode not

@@ -2,12 +2,12 @@
 interpreter, and its inputs.
 
 `emulate_prep(text, args, want_qg)` runs the kernel's PTX `text` on the CTAs of its grid
-(T / 64, HV, B), `kda_cute.prep.THREADS` threads each, through `ext_wy.WyCTA` (tf32 mma.sync m16n8k8, bf16 / fp16
-m16n8k16, ldmatrix, cp.async) over one emulated global memory holding the five inputs and the six
-outputs, NaN-poisoned first; it returns w, u, qg (None without want_qg), kg, Aqk, Akk.
-`prep_inputs(...)` makes random inputs of the contract's shapes and dtypes (never zeros: gates a
-chunk-local log2 cumsum of negative steps, beta in (0, 1)). kda_cute is imported inside the
-functions only.
+(T / 64, HV, B), `kda_cute.prep.THREADS` threads each, through `ext_wy.WyCTA` (tf32 mma.sync
+m16n8k8, bf16 / fp16 m16n8k16, ldmatrix, cp.async) over one emulated global memory holding the
+five inputs and the six outputs, NaN-poisoned first; it returns w, u, qg (None without want_qg),
+kg, Aqk, Akk. `prep_inputs(...)` makes random inputs of the contract's shapes and dtypes (never
+zeros: gates a chunk-local log2 cumsum of negative steps, beta in (0, 1)). kda_cute is imported
+inside the functions only.
 """
 
 import torch

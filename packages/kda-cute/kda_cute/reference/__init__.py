@@ -65,6 +65,7 @@ __all__ = [
     'bwd_dAv', 'bwd_dhu', 'bwd_intra', 'bwd_wy_dqkg', 'chunk_kda_reference', 'chunk_kda_reference_bwd',
     'chunk_kda_reference_fwd', 'chunk_local_cumsum', 'compute_dtype', 'dg_cumsum', 'fwd_h',
     'fwd_intra', 'fwd_o', 'fwd_scan', 'gate_bwd', 'gate_chunk_cumsum', 'gva_sum', 'l2norm_bwd',
-    'l2norm_fwd', 'naive_gate', 'naive_kda', 'naive_kda_varlen', 'naive_l2norm', 'naive_recurrent_kda', 'recompute_w_u',
+    'l2norm_fwd', 'naive_gate', 'naive_kda', 'naive_kda_varlen', 'naive_l2norm', 'naive_recurrent_kda',
+    'recompute_w_u',
     'rel_err',
 ]

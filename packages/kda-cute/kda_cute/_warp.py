@@ -1,0 +1,108 @@
+"""What the chunk-parallel warp-mma kernels (kda_cute.wy_dqkg, kda_cute.prep) share: their host
+checks and launch plumbing, and the device pieces of their kernels (cp.async copies, the
+128-byte swizzle of 64-column 16-bit smem rows, ldmatrix atoms). One CTA per (chunk, hv, b);
+every view's batch and time modes are dynamic, so one compile serves every B and T.
+
+The device functions import the DSL: call them only while a kernel is being built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common.cache import cute_view
+from ._common.support import device_reason
+
+IO = (torch.bfloat16, torch.float16)
+DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DYN = (0, 1)  # the dynamic modes of every view: batch, time
+
+
+# ----------------------------------------------------------------------------------- host side
+def dtype_reason(q, same, gk, beta) -> str | None:
+    """q in bf16 / fp16, the `same` ((name, tensor), ...) in q's dtype, gk fp32, beta bf16 / fp16 /
+    fp32; or the first reason not."""
+    if q.dtype not in IO:
+        return f"q dtype {q.dtype} (bf16 or fp16 expected)"
+    for name, t in same:
+        if t.dtype != q.dtype:
+            return f"{name} dtype {t.dtype} != q's {q.dtype}"
+    if gk.dtype != torch.float32:
+        return f"gk must be float32; got {gk.dtype}"
+    if beta.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"beta dtype {beta.dtype} (bf16 / fp16 / fp32 expected)"
+    return None
+
+
+def layout_reason(names, tensors) -> str | None:
+    """Every tensor contiguous, 16-byte aligned, on one device the kernel can use; or why not."""
+    for name, t in zip(names, tensors, strict=True):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    if len({t.device for t in tensors}) != 1:
+        return "tensors on different devices"
+    return device_reason(tensors[0])
+
+
+def compile_only(build, args, keep_ptx: bool):
+    """`build(views, stream, options)` traced and compiled for `args` without a launch (CPU tests)."""
+    import cuda.bindings.driver as cuda
+
+    views = [cute_view(t, DYN) for t in args]
+    return build(views, cuda.CUstream(0), "--keep-ptx" if keep_ptx else "")
+
+
+def launch(cache, cfg, args, build) -> None:
+    """One launch through the stage's call cache, compiled once per `cfg` (its frozen config)."""
+    cache.launch(cfg, args, (DYN,) * len(args), build)
+
+
+# ----------------------------------------------------------------------------------- device side
+def gmem(t):
+    """t (a DLPack view: generic address space) as a global-memory tensor (cp.async needs it)."""
+    import cutlass.cute as cute
+
+    ptr = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, t.layout)
+
+
+def swizzle_atom():
+    """8 rows x 64 16-bit columns with the 128-byte swizzle (Swizzle<3,3,3>): ldmatrix reads of
+    any 8 x 8 block are conflict-free; tile_to_shape it to the tile."""
+    import cutlass.cute as cute
+
+    return cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+
+
+def cp_async_copies(io, threads: int):
+    """cp.async tiled copies of 16 bytes per thread: (16-bit tiles, 8 per thread in rows of 64;
+    fp32 tiles, 4 per thread in rows of 128)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import cpasync
+
+    g2s = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+    cp_io = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(g2s, io, num_bits_per_copy=128),
+        cute.make_layout((threads // 8, 8), stride=(8, 1)),
+        cute.make_layout((1, 8)),
+    )
+    cp_f32 = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(g2s, cutlass.Float32, num_bits_per_copy=128),
+        cute.make_layout((threads // 32, 32), stride=(32, 1)),
+        cute.make_layout((1, 4)),
+    )
+    return cp_io, cp_f32
+
+
+def ldmatrix_atoms(io):
+    """(ldmatrix x4, ldmatrix x4 .trans) copy atoms for 16-bit mma operands: the first for an
+    operand whose K mode is contiguous in smem, the second for one whose M / N mode is."""
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import warp
+
+    ld_n = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), io)
+    ld_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), io)
+    return ld_n, ld_t
