@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("cutlass.cute")
 intra = pytest.importorskip("kda_cute.intra")
-from ptxsim.kda import emulate_intra, ptx_text  # noqa: E402
+from ptxsim.kda import emulate_intra  # noqa: E402
 
 
 def _args(B=1, T=128, H=2, HV=2, K=128, dtype=torch.bfloat16):
@@ -24,19 +24,12 @@ def _args(B=1, T=128, H=2, HV=2, K=128, dtype=torch.bfloat16):
     return [q, k, g, beta, dA[0], dA[1], dq, dk, db, dg]
 
 
-def _ptx(compiled):
-    text = ptx_text(compiled)
-    if not text:
-        pytest.skip("this DSL build keeps no PTX on the compiled object")
-    return text
-
-
 # tf32's unit roundoff (10 explicit mantissa bits): the cross sums' operands are rounded to it, so
 # relative errors of ~1e-4 are expected (fla's tl.dot does the same); a wrong kernel is off by O(1).
 TF32_EPS = 2.0**-11
 
 
-def test_compiles_for_sm90a_and_the_ptx_computes_the_contract(monkeypatch):
+def test_compiles_for_sm90a_and_the_ptx_computes_the_contract(monkeypatch, ptx):
     """The sm_90a PTX of the kernel (tf32 mma.sync cross sums), fold_dg on, executed by a PTX
     interpreter on CPU: dq, dk, db, dg match the float64 reference to tf32 accuracy; every
     output written."""
@@ -45,7 +38,7 @@ def test_compiles_for_sm90a_and_the_ptx_computes_the_contract(monkeypatch):
     torch.manual_seed(0)
     a = _args(B=1, T=64, H=1, HV=1, K=128)
     a[2] = (-0.7 * torch.rand(1, 64, 1, 128)).cumsum(1) / 0.6931471805599453
-    text = _ptx(intra.compile_for(*a, fold_dg=True, emit_bf16=False, keep_ptx=True))
+    text = ptx(intra.compile_for(*a, fold_dg=True, emit_bf16=False, keep_ptx=True))
     assert "kda_cute_intra" in text and "sm_90a" in text
     assert "ex2.approx" in text  # the exp2 fast path
     body = text.split(".entry", 1)[1]
@@ -62,15 +55,15 @@ def test_compiles_for_sm90a_and_the_ptx_computes_the_contract(monkeypatch):
         assert ref.rel_err(x, w) < TF32_EPS, (name, ref.rel_err(x, w))
 
 
-def test_emit_bf16_ptx_writes_the_cast_of_the_fp32_result(monkeypatch):
+def test_emit_bf16_ptx_writes_the_cast_of_the_fp32_result(monkeypatch, ptx):
     """emit_bf16 (the chain's build when HV == H): its PTX, run by the interpreter, writes dq and
     dk equal bit for bit to the bf16 cast of the fp32 build's dq and dk, and the same db, dg."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     torch.manual_seed(2)
     a = _args(B=1, T=64, H=1, HV=1, K=128)
     a[2] = (-0.7 * torch.rand(1, 64, 1, 128)).cumsum(1) / 0.6931471805599453
-    f32 = emulate_intra(_ptx(intra.compile_for(*a, fold_dg=True, keep_ptx=True)), a)
-    text = _ptx(intra.compile_for(*a, fold_dg=True, emit_bf16=True, keep_ptx=True))
+    f32 = emulate_intra(ptx(intra.compile_for(*a, fold_dg=True, keep_ptx=True)), a)
+    text = ptx(intra.compile_for(*a, fold_dg=True, emit_bf16=True, keep_ptx=True))
     got = emulate_intra(text, a, emit_bf16=True)
     for name, x, w in zip(("dq", "dk"), got[:2], f32[:2], strict=True):
         assert x.dtype == torch.bfloat16, name
@@ -79,7 +72,7 @@ def test_emit_bf16_ptx_writes_the_cast_of_the_fp32_result(monkeypatch):
         assert torch.equal(x, w), name
 
 
-def test_k64_gva_strong_gate_fp16(monkeypatch):
+def test_k64_gva_strong_gate_fp16(monkeypatch, ptx):
     """K = 64 (four thread groups), GVA, fp16 q / k, gates near -5 per step: the PTX runs in the
     interpreter and matches float64 to tf32 accuracy."""
     K = 64
@@ -88,7 +81,7 @@ def test_k64_gva_strong_gate_fp16(monkeypatch):
     torch.manual_seed(1)
     a = _args(B=1, T=64, H=1, HV=2 if K == 64 else 1, K=K, dtype=torch.float16)
     a[2] = (-5.0 * torch.rand(*a[2].shape)).cumsum(1) / 0.6931471805599453
-    text = _ptx(intra.compile_for(*a, fold_dg=True, keep_ptx=True))
+    text = ptx(intra.compile_for(*a, fold_dg=True, keep_ptx=True))
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in text
     # mma operands are rounded (half a tf32 ulp added to the bits), not truncated
     assert re.search(r"add\.s32\s+%r\d+, %r\d+, 4096;", text)

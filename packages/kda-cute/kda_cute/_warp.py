@@ -19,6 +19,35 @@ DYN = (0, 1)  # the dynamic modes of every view: batch, time
 
 
 # ----------------------------------------------------------------------------------- host side
+BT = 64  # the chunk
+BV = 64  # the V tile
+
+
+def extent_reason(q, k, v, gk, beta, supported_k) -> str | None:
+    """q, k [B, T, H, K] with K in supported_k; v [B, T, HV, V], HV % H == 0, V % 64 == 0; T a
+    whole number of chunks (a ragged last chunk is not implemented); gk [B, T, HV, K]; beta
+    [B, T, HV]. The first reason not, or None."""
+    if q.dim() != 4 or k.shape != q.shape:
+        return f"q/k must be [B,T,H,K] of one shape; got {tuple(q.shape)} / {tuple(k.shape)}"
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        return f"v must be [B,T,HV,V]; got {tuple(v.shape)}"
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        return f"HV={HV} not a multiple of H={H}"
+    if K not in supported_k:
+        return f"K={K} (kernel built for K in {supported_k})"
+    if V % BV:
+        return f"V={V} not a multiple of {BV}"
+    if T % BT:
+        return f"T={T} not a multiple of the chunk {BT} (ragged last chunk not implemented)"
+    if gk.shape != (B, T, HV, K):
+        return f"gk must be [B,T,HV,K]; got {tuple(gk.shape)}"
+    if beta.shape != (B, T, HV):
+        return f"beta must be [B,T,HV]; got {tuple(beta.shape)}"
+    return None
+
+
 def dtype_reason(q, same, gk, beta) -> str | None:
     """q in bf16 / fp16, the `same` ((name, tensor), ...) in q's dtype, gk fp32, beta bf16 / fp16 /
     fp32; or the first reason not."""

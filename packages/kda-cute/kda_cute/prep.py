@@ -58,11 +58,9 @@ from . import _warp
 from ._common.cache import CallCache, alloc
 from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch
-from ._warp import DT
+from ._warp import BT, BV, DT
 
-BT = 64  # chunk
 BC = 16  # diagonal block
-BV = 64  # V tile
 THREADS = 256
 STAGES = 2
 SUPPORTED_K = (128,)
@@ -519,26 +517,9 @@ def _hard_reason(q, k, v, gk, beta, chunk_size) -> str | None:
     """Why the kernel cannot compute this call at all (shape, dtype, layout), or None."""
     if chunk_size != BT:
         return f"chunk_size={chunk_size} (kernel built for {BT})"
-    if q.dim() != 4 or k.shape != q.shape:
-        return f"q/k must be [B,T,H,K] of one shape; got {tuple(q.shape)} / {tuple(k.shape)}"
-    B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:2] != (B, T):
-        return f"v must be [B,T,HV,V]; got {tuple(v.shape)}"
-    HV, V = v.shape[2], v.shape[3]
-    if HV % H:
-        return f"HV={HV} not a multiple of H={H}"
-    if K not in SUPPORTED_K:
-        return f"K={K} (kernel built for K in {SUPPORTED_K})"
-    if V % BV:
-        return f"V={V} not a multiple of {BV}"
-    if T % BT:
-        return f"T={T} not a multiple of the chunk {BT} (ragged last chunk not implemented)"
-    if gk.shape != (B, T, HV, K):
-        return f"gk must be [B,T,HV,K]; got {tuple(gk.shape)}"
-    if beta.shape != (B, T, HV):
-        return f"beta must be [B,T,HV]; got {tuple(beta.shape)}"
-    return _warp.dtype_reason(q, (("k", k), ("v", v)), gk, beta) or _warp.layout_reason(
-        _NAMES, (q, k, v, gk, beta))
+    return (_warp.extent_reason(q, k, v, gk, beta, SUPPORTED_K)
+            or _warp.dtype_reason(q, (("k", k), ("v", v)), gk, beta)
+            or _warp.layout_reason(_NAMES, (q, k, v, gk, beta)))
 
 
 def is_supported(q, k, v, gk, beta, scale, chunk_size=BT, want_qg=False) -> str | None:

@@ -68,10 +68,8 @@ from . import _warp
 from ._common.cache import CallCache, alloc
 from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch
-from ._warp import DT
+from ._warp import BT, BV, DT
 
-BT = 64  # chunk
-BV = 64  # V tile
 THREADS = 512
 STAGES = 2
 SUPPORTED_K = (128,)
@@ -573,33 +571,20 @@ _NAMES = ("q", "k", "v", "v_new", "gk", "beta", "Akk", "h", "do", "dh", "dv")
 
 def _hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv) -> str | None:
     """Why the kernel cannot compute this call at all (shape, dtype, layout), or None."""
-    if q.dim() != 4 or k.shape != q.shape:
-        return f"q/k must be [B,T,H,K] of one shape; got {tuple(q.shape)} / {tuple(k.shape)}"
-    B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:2] != (B, T):
-        return f"v must be [B,T,HV,V]; got {tuple(v.shape)}"
-    HV, V = v.shape[2], v.shape[3]
-    if HV % H:
-        return f"HV={HV} not a multiple of H={H}"
-    if K not in SUPPORTED_K:
-        return f"K={K} (kernel built for K in {SUPPORTED_K})"
-    if V % BV:
-        return f"V={V} not a multiple of {BV}"
-    if T % BT:
-        return f"T={T} not a multiple of the chunk {BT} (ragged last chunk not implemented)"
+    r = _warp.extent_reason(q, k, v, gk, beta, SUPPORTED_K)
+    if r is not None:
+        return r
+    B, T, HV, V = v.shape
+    K = q.shape[3]
     NT = T // BT
     for name, t in (("v_new", v_new), ("do", do), ("dv", dv)):
         if t.shape != v.shape:
             return f"{name} must be [B,T,HV,V] = {tuple(v.shape)}; got {tuple(t.shape)}"
-    if gk.shape != (B, T, HV, K):
-        return f"gk must be [B,T,HV,K]; got {tuple(gk.shape)}"
     if Akk.shape != (B, T, HV, BT):
         return f"Akk must be [B,T,HV,{BT}] (chunk {BT}); got {tuple(Akk.shape)}"
     for name, t in (("h", h), ("dh", dh)):
         if t.shape != (B, NT, HV, K, V):
             return f"{name} must be [B,NT,HV,K,V] = {(B, NT, HV, K, V)}; got {tuple(t.shape)}"
-    if beta.shape != (B, T, HV):
-        return f"beta must be [B,T,HV]; got {tuple(beta.shape)}"
     same = (("k", k), ("v", v), ("v_new", v_new), ("Akk", Akk), ("h", h), ("do", do), ("dh", dh), ("dv", dv))
     return _warp.dtype_reason(q, same, gk, beta) or _warp.layout_reason(
         _NAMES, (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv))
