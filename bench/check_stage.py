@@ -41,7 +41,8 @@ CHECKS = {
 }
 
 
-def captured_args(stage, B, T, H, HV, V, dtype=torch.bfloat16, seed=0):
+def chain_calls(B, T, H, HV, V, dtype=torch.bfloat16, seed=0) -> dict[str, tuple]:
+    """One fwd+bwd of the chain (every CuTe kernel launched once): each stage's arguments."""
     from kda_chain import chunk_kda
     from kda_chain.stages import capture
 
@@ -58,7 +59,11 @@ def captured_args(stage, B, T, H, HV, V, dtype=torch.bfloat16, seed=0):
         )
         o.backward(torch.randn_like(o))
     torch.cuda.synchronize()
-    return next(a for name, a, _ in calls if name == stage)
+    return {name: a for name, a, _ in calls}
+
+
+def captured_args(stage, B, T, H, HV, V, dtype=torch.bfloat16, seed=0):
+    return chain_calls(B, T, H, HV, V, dtype, seed)[stage]
 
 
 def rel(a, b) -> float:
