@@ -1,5 +1,6 @@
 """Two processes sharing one GPU, as when debugging DDP on one device: each compiles its own CuTe
-kernels and fla's Triton kernels at the same time as the other (cold caches), then runs the same
+kernels at the same time as the other (and fla's Triton kernels, unless a cache was restored),
+then runs the same
 shapes in the opposite order, several rounds; neither may disturb the other's results.
 
 Per process (a `--worker`): fwd+bwd of chunk_kda on the witness CLI's inputs (bench/soak.py's

@@ -150,13 +150,13 @@ def main() -> int:
         bad.append(f"memory grew after every shape was met: {growth}")
     if len(dispatch_log()) > dispatch_log().maxlen:
         bad.append("dispatch log unbounded")
-    (out / "soak.json").write_text(json.dumps({
-        "shapes": shapes, "curve": curve, "growth": growth, "problems": bad,
-        "fingerprints": [[list(k), fp] for k, fp in seen.items()],
-    }))
+    record = {"shapes": shapes, "curve": curve, "growth": growth, "problems": bad,
+              "fingerprints": [[list(k), fp] for k, fp in seen.items()]}
+    (out / "soak.json").write_text(json.dumps(record))
     print("soak: recomputing every shape in a fresh process", flush=True)
     if subprocess.run([sys.executable, __file__, "--replay", str(out / "soak.json")]).returncode:
         bad.append("a fresh process gives a different result for some shape (see replay above)")
+        (out / "soak.json").write_text(json.dumps(record))  # with the replay's verdict
     try:
         import matplotlib
 

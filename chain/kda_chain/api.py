@@ -4,9 +4,10 @@ Bad input fails here, with the argument named, before any kernel runs. Flags the
 implement (cu_seqlens, cp_context, safe_gate, state_v_first, chunk_size != 64,
 disable_recompute, return_intermediate_states, use_graph) send the WHOLE call to fla, logged
 once and recorded as the range `kda::chunk_kda::fla::<reason>` so the witness shows it; where
-fla cannot run (no CUDA), such a call raises rather than silently doing something else, except
-a packed (cu_seqlens) call with no other such flag: it runs the chain once per sequence
-(`kda::chunk_kda::per_sequence::<reason>`), the CPU path CI tests varlen through.
+fla cannot run (no CUDA, float64 inputs, fla not importable), such a call raises rather than
+silently doing something else, except a packed (cu_seqlens) call with no other such flag: it
+runs the chain once per sequence (`kda::chunk_kda::per_sequence::<reason>`), the path CI tests
+varlen through on CPU.
 """
 
 from __future__ import annotations
@@ -61,10 +62,13 @@ def _check_cu_seqlens(cu, B, T, dev) -> None:
     _check(B == 1, "with cu_seqlens the sequences are packed along T: q must be [1, total_T, H, K], "
            f"got B={B}")
     if cu.device.type == "cpu":
-        offs = cu.tolist()
-        _check(offs[0] == 0 and offs[-1] == T,
-               f"cu_seqlens must run from 0 to total_T={T}, got {offs[0]} .. {offs[-1]}")
-        _check(all(a <= b for a, b in zip(offs, offs[1:], strict=False)), "cu_seqlens must be non-decreasing")
+        _check_offsets(cu.tolist(), T)
+
+
+def _check_offsets(offs, T) -> None:
+    _check(offs[0] == 0 and offs[-1] == T,
+           f"cu_seqlens must run from 0 to total_T={T}, got {offs[0]} .. {offs[-1]}")
+    _check(all(a <= b for a, b in zip(offs, offs[1:], strict=False)), "cu_seqlens must be non-decreasing")
 
 
 def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
@@ -221,10 +225,12 @@ def _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_
 
 def _per_sequence(cu_seqlens, q, k, v, g, beta, A_log, dt_bias, initial_state, *args):
     """A packed call ([1, total_T, ...], offsets cu_seqlens, states [N, ...]) as one chain call per
-    sequence, each from its own initial state; o concatenated along T, ht stacked along N. The
-    offsets are read on the host (CPU tensors here: no device sync)."""
+    sequence, each from its own initial state; o concatenated along T, ht stacked along N. Runs
+    where fla cannot: on CPU, and on a GPU for float64 inputs or without fla. The offsets are read
+    on the host (on a GPU a sync) and checked here, since validate reads them on CPU only."""
     output_final_state = args[1]
     offs = [int(x) for x in cu_seqlens.tolist()]
+    _check_offsets(offs, q.shape[1])
     outs, hts = [], []
     for n in range(len(offs) - 1):
         a, b = offs[n], offs[n + 1]

@@ -30,6 +30,8 @@ def extent_reason(q, k, v, gk, beta, supported_k) -> str | None:
     if q.dim() != 4 or k.shape != q.shape:
         return f"q/k must be [B,T,H,K] of one shape; got {tuple(q.shape)} / {tuple(k.shape)}"
     B, T, H, K = q.shape
+    if B * T == 0:
+        return f"empty call (B={B}, T={T}): nothing to launch"
     if v.dim() != 4 or v.shape[:2] != (B, T):
         return f"v must be [B,T,HV,V]; got {tuple(v.shape)}"
     HV, V = v.shape[2], v.shape[3]

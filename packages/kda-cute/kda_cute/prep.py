@@ -18,9 +18,10 @@ arithmetic). Phases, each ended by a barrier:
   1. A. Warps 0-5: the six 16 x 16 blocks below the diagonal blocks, one per warp, as tf32
      mma.sync m16n8k8 (fla's tl.dot precision), operands computed into registers anchored at
      the source block's last row: q_r exp2(g_r - gl_j) and k_s exp2(gl_j - g_s), both
-     exponents <= 0 whatever the gate. Then every thread: the four diagonal blocks in SIMT fp32,
-     one exp2 per (r, s, d) (a thread: one row, four sources). L (fp32) and the scaled Aqk (io)
-     to smem; Aqk out (16-byte rows, zero above the diagonal).
+     exponents <= 0 for any gate <= 0 (g falls along the chunk), however strong. Then every
+     thread: the four diagonal blocks in SIMT fp32, one exp2 per (r, s, d) (a thread: one row,
+     four sources). L (fp32) and the scaled Aqk (io) to smem; Aqk out (16-byte rows, zero above
+     the diagonal).
   2. The solve, SIMT fp32 in smem: each diagonal block's inverse by forward substitution (a
      thread per column), then the blocks below, one band at a time:
      X_ij = -X_ii sum_{t=j}^{i-1} L_it X_tj.
@@ -300,7 +301,7 @@ def _build_kernel_class():
             gAqk = cute.local_tile(mAqk[b, None, hv, None], (BT, BT), (t_idx, 0))
             gAkk = cute.local_tile(mAkk[b, None, hv, None], (BT, BT), (t_idx, 0))
 
-            # ---------------- shared memory (~107 KB: two CTAs per SM). Four buffers take a
+            # ---------------- shared memory (104 KB: two CTAs per SM). Four buffers take a
             # second role once their first is dead: q -> bf16(beta k E) (phase 3), g -> the V
             # ring (phase 4), L -> bf16(X) (phase 3), X <- the Aqk staging (phase 1).
             smem = cutlass.memory.SmemAllocator()

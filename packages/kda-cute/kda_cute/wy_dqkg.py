@@ -45,7 +45,7 @@ Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16:
     write   dq, dk, dg 3.221 GB, dv2 1.074, dAkk 0.537, db 0.008                        4.84 GB
     total   15.85 GB: 3.96 ms at 4.0 TB/s (fla's kernel takes 12.4 ms there)
 
-Today (H200, 2026-12-01, bench/check_stage.py --stage bwd_wy_dqkg): 4.619 ms vs fla's 12.558 at
+Today (H200, 2026-12-01, bench/check_wy_dqkg.py, now check_stage.py): 4.619 ms vs fla's 12.558 at
 the reference shape (2.72x, 3.43 TB/s), 3.697 vs 10.210 at B16 T8192 H16 K=V=128 (2.76x), 0.278
 vs 0.738 at B2 T4096 (2.65x); every output's error vs float64 equal to fla's
 (bench/results/wy_dqkg.md).
