@@ -17,9 +17,10 @@ pytest.importorskip("fla")
 intra = pytest.importorskip("kda_cute.intra")
 from kda_cute import reference as ref  # noqa: E402
 from kda_cute.reference import rel_err  # noqa: E402
+from kda_cute.registry import device_reason  # noqa: E402
 
-if intra.device_reason(torch.empty(1, device="cuda")) is not None:
-    pytest.skip(intra.device_reason(torch.empty(1, device="cuda")), allow_module_level=True)
+if device_reason(torch.empty(1, device="cuda")) is not None:
+    pytest.skip(device_reason(torch.empty(1, device="cuda")), allow_module_level=True)
 
 
 def make_inputs(B, T, H, HV, K, dtype=torch.bfloat16, gmin=-0.5, seed=0):

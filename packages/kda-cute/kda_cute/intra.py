@@ -60,9 +60,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _warp
 from ._common.cache import CallCache, alloc
 from ._common.lazy import cutlass_dtype
-from ._common.support import compile_arch, device_reason, sm_count_of
+from ._common.support import compile_arch, sm_count_of
+from ._warp import DT
 
 BT = 64  # chunk
 BC = 16  # diagonal block
@@ -561,16 +563,8 @@ def _hard_reason(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg) -> str | None:
             return f"{name} must be [B,T,HV,K]; got {tuple(t.shape)}"
     if db.shape != (B, T, HV) or db.dtype != torch.float32:
         return f"db must be [B,T,HV] float32; got {tuple(db.shape)} {db.dtype}"
-    for name, t in (("q", q), ("k", k), ("gk", gk), ("beta", beta), ("dAqk", dAqk), ("dAkk", dAkk),
-                    ("dq", dq), ("dk", dk), ("db", db), ("dg", dg)):
-        if not t.is_contiguous():
-            return f"{name} is not contiguous"
-        if t.data_ptr() % 16:
-            return f"{name} is not 16-byte aligned"
-    devs = {t.device for t in (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)}
-    if len(devs) != 1:
-        return "tensors on different devices"
-    return device_reason(q)
+    return _warp.layout_reason(("q", "k", "gk", "beta", "dAqk", "dAkk", "dq", "dk", "db", "dg"),
+                               (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg))
 
 
 def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False) -> str | None:
@@ -592,7 +586,6 @@ def is_supported(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit
 PREFETCH = {False: 1, True: 2}
 # Registers per thread: two 256-thread CTAs per SM (the design point) need <= 128.
 MAXREG = 128
-_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
@@ -613,7 +606,7 @@ class IntraConfig:
 
 def _config(q, gk, beta, fold_dg, emit_bf16, pf) -> IntraConfig:
     emit_bf16 = bool(emit_bf16)
-    return IntraConfig(_DT[q.dtype], _DT[beta.dtype], q.shape[3], q.shape[2], gk.shape[2], bool(fold_dg),
+    return IntraConfig(DT[q.dtype], DT[beta.dtype], q.shape[3], q.shape[2], gk.shape[2], bool(fold_dg),
                        emit_bf16, PREFETCH[emit_bf16] if pf is None else int(pf), compile_arch())
 
 
