@@ -79,7 +79,7 @@ def kernels(B, T, H, V, n):
         ("intra fold_dg", lambda: intra.bwd_intra(*a, fold_dg=True, emit_bf16=True), intra._cache,
          "fla intra + dg cumsum", lambda: ci.fla_intra(a, fold=True)),
         ("b1", lambda: cs.ours_b1(d), b1._cache, "fla fwd_h", lambda: cs.fla_b1(d)),
-        ("dhu", lambda: cs.ours_dhu(d), dhu._cache, "fla bwd_dhu", lambda: cs.fla_dhu(d)),
+        ("dhu", lambda: cs.ours_dhu(d), dhu._cache, "fla dAv + bwd_dhu", lambda: cs.fla_dhu(d)),
     ]
     from kda_cute._common.cache import launch_path
 

@@ -9,7 +9,8 @@ chain asks for) on l2-normed q, k and negative gates. fla's fwd_o and the float6
 Timing: CUDA events, warm, median, each sample INNER calls back to back (host launch work
 overlaps the GPU as in a training step; cuda_clock.median_ms; one call per sample until
 2026-12-01 added ~0.05-0.1 ms of host time to both sides): ours vs fla's fwd_h, fwd_h + fwd_o,
-bwd_dhu at B16 T8192 H16 K128 V256 and a small shape. The table is printed last.
+bwd_dAv + bwd_dhu (dhu computes bwd_dAv's dv = tril(Aqk)^T do itself) at B16 T8192 H16 K128 V256
+and a small shape. The table is printed last.
 
     python bench/check_scans.py [--quick] [--no-time] [--no-check] [--no-wg2] [--stage b1|fwd|dhu]
 
@@ -27,6 +28,7 @@ import kda_cute.dhu as dhu
 import kda_cute.fwd as fwd
 import torch
 from cuda_clock import median_ms  # bench/ (this script's directory)
+from kda_chain import testing
 from kda_chain.testing import scan_inputs
 from kda_cute import reference as ref
 from kda_cute.reference import rel_err
@@ -95,24 +97,13 @@ def fla_fwd(d):
 def ours_dhu(d, var=None, mod=dhu):
     kw = {} if var is None else {"stages": var[0], "warpgroups": var[1]}
     return mod.bwd_dhu(
-        d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], d["dv"], d["scale"], **kw
+        d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], None, d["scale"], d["Aqk"], **kw
     )
 
 
 def fla_dhu(d):
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
-
-    return chunk_gated_delta_rule_bwd_dhu(
-        q=d["qg"],
-        k=d["kg"],
-        w=d["w"],
-        do=d["do"],
-        dv=d["dv"],
-        gk=d["gk"],
-        h0=d["h0"],
-        dht=d["dht"],
-        scale=d["scale"],
-    )
+    """fla's bwd_dAv (for its dv) + bwd_dhu: what the fused kda_cute_dhu replaces."""
+    return testing.fla_dhu(d)
 
 
 def poisoned(fn, *a, **kw):
@@ -177,8 +168,9 @@ def check_shape(name, B, T, H, HV, V, dtype, h0, ref_batches=None, var=None, onl
                 d64["h0"],
                 d64["dht"],
                 d64["do"],
-                d64["dv"],
+                None,
                 d["scale"],
+                d64["Aqk"],
             ),
             ("dh", "dh0", "dv2"),
         ),

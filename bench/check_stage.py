@@ -32,11 +32,13 @@ class StageCheck:
     contract: str  # the function in that module and in kda_cute.reference
     fla: str  # its fla adapter in kda_chain.stages
     names: tuple[str, ...]
+    flags: tuple[tuple[str, object], ...] = ()  # the keyword flags the chain passes the CuTe kernel
 
 
 CHECKS = {
+    # with want_dAqk, as the chain calls it: fla's side is its wy_dqkg + its bwd_dAv's dAqk
     "bwd_wy_dqkg": StageCheck("wy_dqkg", "bwd_wy_dqkg", "_fla_bwd_wy_dqkg",
-                              ("dq", "dk", "dv2", "db", "dg", "dAkk")),
+                              ("dq", "dk", "dv2", "db", "dg", "dAkk", "dAqk"), (("want_dAqk", True),)),
     "fwd_intra": StageCheck("prep", "fwd_intra", "_fla_fwd_intra", ("w", "u", "qg", "kg", "Aqk", "Akk")),
 }
 
@@ -62,10 +64,6 @@ def chain_calls(B, T, H, HV, V, dtype=torch.bfloat16, seed=0) -> dict[str, tuple
     return {name: a for name, a, _ in calls}
 
 
-def captured_args(stage, B, T, H, HV, V, dtype=torch.bfloat16, seed=0):
-    return chain_calls(B, T, H, HV, V, dtype, seed)[stage]
-
-
 def rel(a, b) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -78,19 +76,29 @@ def _lower(x):
     return x * (torch.arange(BT, device=x.device)[None, :] <= row[:, None]).to(x.dtype)[None, :, None, :]
 
 
-def ours_fla(stage, args):
+def ours_fla(stage, calls):
+    """(ours, fla's, ours' module) on the stage's captured arguments (`calls`: chain_calls')."""
     c = CHECKS[stage]
+    args = calls[stage]
     mod = importlib.import_module(f"kda_cute.{c.module}")
     from kda_chain import stages as S
 
-    return (lambda: getattr(mod, c.contract)(*args)), (lambda: getattr(S, c.fla)(*args)), mod
+    def fla():
+        out = getattr(S, c.fla)(*args)
+        if stage == "bwd_wy_dqkg":  # + the dAqk that fla's bwd_dAv computes for the intra stage
+            q, k, _, v_new, _, _, _, _, do, _, _, scale = args
+            out = (*out, S._fla_bwd_dAv(q, k, v_new, do, calls["fwd"][6], scale)[0])  # fwd's Aqk
+        return out
+
+    return (lambda: getattr(mod, c.contract)(*args, **dict(c.flags))), fla, mod
 
 
-def check(stage, name, args) -> bool:
+def check(stage, name, calls) -> bool:
     from kda_cute import reference as ref
 
     c = CHECKS[stage]
-    run_ours, run_fla, mod = ours_fla(stage, args)
+    args = calls[stage]
+    run_ours, run_fla, mod = ours_fla(stage, calls)
     orig = mod.alloc
     mod.alloc = lambda shape, dtype, device, fill=None: orig(shape, dtype, device, fill).fill_(float("nan"))
     try:
@@ -99,7 +107,7 @@ def check(stage, name, args) -> bool:
         mod.alloc = orig
     fla = run_fla()
     b0 = [a[:1].double() if isinstance(a, torch.Tensor) else a for a in args]
-    want = getattr(ref, c.contract)(*b0)
+    want = getattr(ref, c.contract)(*b0, **dict(c.flags))
     ok = True
     cells = []
     for n, o, f, w in zip(c.names, ours, fla, want, strict=True):
@@ -123,8 +131,8 @@ def check(stage, name, args) -> bool:
     return ok and same
 
 
-def timing(stage, name, args):
-    run_ours, run_fla, _ = ours_fla(stage, args)
+def timing(stage, name, calls):
+    run_ours, run_fla, _ = ours_fla(stage, calls)
     t_ours = median_ms(run_ours, inner=3)
     t_fla = median_ms(run_fla, inner=3)
     print(
@@ -148,7 +156,7 @@ def main() -> int:
     ]
     for name, shape in checks[:1] if a.quick else checks:
         try:
-            ok &= check(a.stage, name, captured_args(a.stage, *shape))
+            ok &= check(a.stage, name, chain_calls(*shape))
         except Exception as e:  # report and go on: one call must tell everything
             ok = False
             print(f"ERROR {name}: {type(e).__name__}: {e}", flush=True)
@@ -159,11 +167,11 @@ def main() -> int:
             ("B2 T4096 H16 K=V=128", (2, 4096, 16, 16, 128)),
         ):
             try:
-                args = captured_args(a.stage, *shape)
+                calls = chain_calls(*shape)
                 if "reference" in name:
-                    ok &= check(a.stage, name + " [batch 0 vs float64]", args)
-                timing(a.stage, name, args)
-                del args
+                    ok &= check(a.stage, name + " [batch 0 vs float64]", calls)
+                timing(a.stage, name, calls)
+                del calls
                 torch.cuda.empty_cache()
             except Exception as e:
                 ok = False

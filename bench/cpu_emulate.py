@@ -57,16 +57,16 @@ def main():
             for m in mods:
                 outs.append(emu.emulate_b1(kg, w, u, gk, st, wg, mod=m))
         elif a.stage == "dhu":  # the reverse scan, on the same kg / w / gk
-            _, qg, _ = emu.q_and_aqk(B, T, HV, gk)
+            _, qg, A = emu.q_and_aqk(B, T, HV, gk)
             qg = qg[:, :, ::HV // H].contiguous() if H != HV else qg
-            do, dv = emu.do_dv(B, T, HV, V, torch.Generator().manual_seed(2))
+            do = emu.upstream_do(B, T, HV, V, torch.Generator().manual_seed(2))
             r = HV // H  # the reference takes qg / kg at the value heads (head hv reads hv // r)
             qg_v, kg_v = (x.double().repeat_interleave(r, 2) for x in (qg, kg))
             dh, _, dv2 = rstages.bwd_dhu(qg_v, kg_v, w.double(), gk.double(), None, None,
-                                         do.double(), dv.double(), 0.088)
+                                         do.double(), None, 0.088, A.double())
             want = (dh, dv2)
             for m in mods:
-                outs.append(emu.emulate_dhu(qg, kg, w, gk, do, dv, 0.088, st, wg, m))
+                outs.append(emu.emulate_dhu(qg, kg, w, gk, do, A, 0.088, st, wg, m))
         else:
             q, qg, A = emu.q_and_aqk(B, T, HV, gk)  # A's upper triangle: garbage the kernel masks
             want = rstages.fwd_scan(q.double(), None, kg.double(), w.double(), u.double(), gk.double(),

@@ -50,7 +50,7 @@ def main():
         calls = cst.chain_calls(B, T, H, HV, 256)  # every CuTe kernel once
         if a.fla:
             for st in ("fwd_intra", "bwd_wy_dqkg"):
-                cst.ours_fla(st, calls[st])[1]()
+                cst.ours_fla(st, calls)[1]()
         del calls
     torch.cuda.synchronize()
     print("done")

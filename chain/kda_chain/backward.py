@@ -3,9 +3,11 @@
     gate_chunk_cumsum          recompute gk, only when the gate runs in kernel (not saved)
     recompute_w_u              w, u, qg, kg from Akk
     b1                         kda_cute_b1: re-scan h for every chunk and v_new
-    bwd_dAv                    dAqk = do v_new^T (masked), dv = Aqk^T do
-    dhu                        kda_cute_dhu: reverse scan -> dh per chunk, dh0, dv2
-    bwd_wy_dqkg                dq, dk, dv, db, dg, dAkk through the WY form and the states
+    dhu                        kda_cute_dhu: reverse scan -> dh per chunk, dh0, dv2, with bwd_dAv's
+                               dv = tril(Aqk)^T do computed inside (the fused form: Aqk, no dv)
+    bwd_wy_dqkg                dq, dk, dv, db, dg, dAkk through the WY form and the states; with
+                               the CuTe kernel also bwd_dAv's dAqk = scale tril(do v_new^T)
+    bwd_dAv                    only where dhu or bwd_wy_dqkg is not the CuTe kernel
     intra                      kda_cute_intra: the intra-chunk gradients through Aqk and Akk;
                                with the CuTe kernel, fold_dg=True (dg comes out reverse-cumsummed,
                                so dg_cumsum is skipped) and, when HV == H, emit_bf16=True
@@ -34,10 +36,28 @@ def backward(do, dht, s: Saved, f: Flags):
         gk = S.gate_chunk_cumsum(s.g, s.A_log, s.dt_bias, f.lower_bound, f.chunk_size, True)
     w, u, qg, kg = S.recompute_w_u(q, k, v, beta, s.Akk, gk)
     h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False)
-    dAqk, dv = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
-    dh, dh0, dv = S.dhu(qg, kg, w, gk, s.initial_state, dht, do, dv, f.scale)
+    # bwd_dAv's two products live in the CuTe kernels that hold their operands: dv = tril(Aqk)^T do
+    # in dhu's reverse scan, dAqk = scale tril(do v_new^T) in wy_dqkg's V walk. Where either stage
+    # is not the CuTe kernel, bwd_dAv runs (with that stage's reason in the record).
+    dhu_in = (qg, kg, w, gk, s.initial_state, dht, do)
+    impl, reason = S.dhu.choose(*dhu_in, None, f.scale, s.Aqk)
+    dAqk = None
+    if impl.name == "cute":
+        dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, None, f.scale, s.Aqk)
+    else:
+        dAqk, dv = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
+        dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, dv, f.scale)
     del qg, kg, w, u
-    dq, dk, dv, db, dg, dAkk = S.bwd_wy_dqkg(q, k, v, v_new, gk, beta, s.Akk, h, do, dh, dv, f.scale)
+    wy_in = (q, k, v, v_new, gk, beta, s.Akk, h, do, dh, dv, f.scale)
+    if dAqk is None:
+        impl, reason = S.bwd_wy_dqkg.choose(*wy_in, want_dAqk=True)
+        if impl.name == "cute":
+            dq, dk, dv, db, dg, dAkk, dAqk = S.bwd_wy_dqkg.run(impl, reason, *wy_in, want_dAqk=True)
+        else:
+            dq, dk, dv, db, dg, dAkk = S.bwd_wy_dqkg.run(impl, reason, *wy_in)
+            dAqk, _ = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
+    else:
+        dq, dk, dv, db, dg, dAkk = S.bwd_wy_dqkg(*wy_in)
     del h, dh, v_new
 
     args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)

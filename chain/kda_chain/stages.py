@@ -304,12 +304,17 @@ def _ref_bwd_dAv(q, k, v_new, do, Aqk, scale):
     return ref.bwd_dAv(v_new, do, Aqk, scale)
 
 
-def _fla_bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale):
+def _fla_bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale, Aqk=None):
+    if Aqk is not None:
+        raise ValueError("fla's dhu takes bwd_dAv's dv; the fused Aqk form is the CuTe kernel's "
+                         "(the chain asks only it)")
     f = _fla("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_bwd_dhu")
     return f(q=qg, k=kg, w=w, gk=gk, h0=h0, dht=dht, do=do, dv=dv, scale=scale)
 
 
-def _fla_bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale):
+def _fla_bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, want_dAqk=False):
+    if want_dAqk:
+        raise ValueError("fla's wy_dqkg has no dAqk (bwd_dAv's); the chain asks only the CuTe kernel")
     f = _fla("fla.ops.kda.chunk_bwd", "chunk_kda_bwd_wy_dqkg_fused")
     return f(q=q, k=k, v=v, v_new=v_new, g=gk, beta=beta, A=Akk, h=h, do=do, dh=dh, dv=dv, scale=scale)
 

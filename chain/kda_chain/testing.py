@@ -12,7 +12,8 @@ RCP_LN2 = 1.0 / math.log(2.0)
 
 
 def scan_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0, K=128) -> dict:
-    """q, kg, w, u, gk, Aqk, qg, h0, do, dv, dht (h0 / dht None without `h0`) and the scale."""
+    """q, kg, w, u, gk, Aqk, qg, h0, do, dht (h0 / dht None without `h0`) and the scale. Aqk's
+    upper triangle is what fla's intra leaves there (unwritten): a kernel reading it must mask."""
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
 
@@ -33,6 +34,16 @@ def scan_inputs(B, T, H, HV, V, dtype=torch.bfloat16, gmin=-0.5, h0=True, seed=0
     )
     h0t = rn(B, HV, K, V) * 0.1 if h0 else None
     do = rn(B, T, HV, V).to(dtype)
-    dv = (rn(B, T, HV, V) * 0.5).to(dtype)
     dht = rn(B, HV, K, V) * 0.1 if h0 else None
-    return dict(q=q, kg=kg, w=w, u=u, gk=gk, Aqk=Aqk, qg=qg, h0=h0t, do=do, dv=dv, dht=dht, scale=scale)
+    return dict(q=q, kg=kg, w=w, u=u, gk=gk, Aqk=Aqk, qg=qg, h0=h0t, do=do, dht=dht, scale=scale)
+
+
+def fla_dhu(d: dict):
+    """What kda_cute_dhu replaces, on `scan_inputs`: fla's bwd_dAv for dv = tril(Aqk)^T do (its dAqk,
+    from a stand-in v_new, is dropped), then fla's bwd_dhu on that dv -> dh, dh0, dv2."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv
+
+    _, dv = chunk_kda_bwd_dAv(q=d["q"], k=d["q"], v=d["u"], do=d["do"], A=d["Aqk"], scale=d["scale"])
+    return chunk_gated_delta_rule_bwd_dhu(q=d["qg"], k=d["kg"], w=d["w"], do=d["do"], dv=dv, gk=d["gk"],
+                                          h0=d["h0"], dht=d["dht"], scale=d["scale"])

@@ -18,7 +18,7 @@ pytest.importorskip("cutlass.cute")
 import kda_cute.b1 as b1  # noqa: E402
 import kda_cute.dhu as dhu  # noqa: E402
 import kda_cute.fwd as fwd  # noqa: E402
-from kda_chain.testing import scan_inputs  # noqa: E402
+from kda_chain.testing import fla_dhu, scan_inputs  # noqa: E402
 from kda_cute import reference as ref  # noqa: E402
 from kda_cute.reference import rel_err  # noqa: E402
 
@@ -39,16 +39,16 @@ def ours(stage, d):
     if stage == "fwd":
         return fwd.fwd_scan(d["q"], d["qg"], d["kg"], d["w"], d["u"], d["gk"], d["Aqk"], d["h0"], True,
                             d["scale"])
-    return dhu.bwd_dhu(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], d["dv"], d["scale"])
+    return dhu.bwd_dhu(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], None, d["scale"],
+                       d["Aqk"])
 
 
 def fla(stage, d):
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 
-    if stage == "dhu":
-        return chunk_gated_delta_rule_bwd_dhu(q=d["qg"], k=d["kg"], w=d["w"], do=d["do"], dv=d["dv"],
-                                              gk=d["gk"], h0=d["h0"], dht=d["dht"], scale=d["scale"])
+    if stage == "dhu":  # fla's bwd_dAv (its dv) + bwd_dhu: what the fused kernel replaces
+        return fla_dhu(d)
     h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=d["kg"], w=d["w"], u=d["u"], gk=d["gk"],
                                                 initial_state=d["h0"], output_final_state=True)
     if stage == "b1":
@@ -64,7 +64,8 @@ def reference(stage, d):
     if stage == "fwd":  # the oracle gates q itself (qg None)
         return ref.fwd_scan(x["q"], None, x["kg"], x["w"], x["u"], x["gk"], x["Aqk"], x["h0"], True,
                             x["scale"])
-    return ref.bwd_dhu(x["qg"], x["kg"], x["w"], x["gk"], x["h0"], x["dht"], x["do"], x["dv"], x["scale"])
+    return ref.bwd_dhu(x["qg"], x["kg"], x["w"], x["gk"], x["h0"], x["dht"], x["do"], None, x["scale"],
+                       x["Aqk"])
 
 
 @pytest.fixture(scope="module")

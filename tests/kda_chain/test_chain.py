@@ -153,6 +153,51 @@ def test_intra_fold_dg_path_skips_dg_cumsum(monkeypatch):
         assert rel_err(x[n].grad, w) < 1e-12, n
 
 
+@pytest.mark.parametrize("fused", [("dhu", "bwd_wy_dqkg"), ("dhu",), ("bwd_wy_dqkg",)])
+def test_dAv_folds_into_cute_dhu_and_wy_dqkg(fused, monkeypatch):
+    """With CuTe dhu and wy_dqkg the chain passes Aqk to dhu (dv = tril(Aqk)^T do inside) and asks
+    wy_dqkg for dAqk: bwd_dAv does not run. With only one of them CuTe, bwd_dAv runs once for what
+    the other lacks. The 'CuTe' implementations are the reference's (which honour both forms);
+    every gradient equals the unfused chain's."""
+    from kda_cute import reference as ref
+
+    x = _inputs(T=200, H=2, HV=4)  # ragged T, GVA
+    kw = dict(use_gate_in_kernel=True, A_log=x["A_log"], initial_state=x["initial_state"],
+              output_final_state=True)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def grads():
+        for n in names:
+            x[n].grad = None
+        o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        (o.sum() + ht.sum()).backward()
+        return [x[n].grad.clone() for n in names]
+
+    want = grads()
+    seen = {}
+
+    def fake(stage, fn):
+        def call(*args, **kwargs):
+            seen[stage] = (args[7] is None and args[-1] is not None) if stage == "dhu" else kwargs
+            return fn(*args, **kwargs)
+        return S.Impl("cute", lambda *a, **k: None, call)
+
+    for st, fn in (("dhu", ref.bwd_dhu), ("bwd_wy_dqkg", ref.bwd_wy_dqkg)):
+        if st in fused:
+            monkeypatch.setattr(S.STAGES[st], "impls", [fake(st, fn), *S.STAGES[st].impls[1:]])
+            S.STAGES[st].decided.clear()
+    reset_dispatch_log()
+    got = grads()
+    stages = [c.stage for c in dispatch_log()]
+    assert stages.count("bwd_dAv") == (0 if len(fused) == 2 else 1), stages
+    if "dhu" in fused:
+        assert seen["dhu"] is True  # dv None, Aqk given
+    if "bwd_wy_dqkg" in fused:
+        assert seen["bwd_wy_dqkg"] == ({"want_dAqk": True} if "dhu" in fused else {})
+    for n, a, b in zip(names, got, want, strict=True):
+        assert rel_err(a, b) < 1e-12, n
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda x: x.update(k=x["k"][:, :, :1]), "q and k must have the same shape"),
     (lambda x: x.update(v=x["v"][:, :, :3]), "must be a multiple of H"),

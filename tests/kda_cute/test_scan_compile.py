@@ -25,6 +25,11 @@ def _t(B=1, T=200, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16):
     )
 
 
+def _dhu_args(d):
+    """bwd_dhu's qg .. dv (no states; dv None: the kernel's fused form takes Aqk after the scale)."""
+    return d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], None
+
+
 def _ptx(compiled):
     text = getattr(compiled, "__ptx__", None)
     if text is not None and not isinstance(text, str):
@@ -83,7 +88,7 @@ def test_fwd_compiles(nwg, state, dtype, kg_heads):
 def test_dhu_compiles_fp16():
     d = _t(dtype=torch.float16)
     _check(
-        dhu.compile_for(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["h0"], d["do"], d["dv"], 0.088),
+        dhu.compile_for(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["h0"], d["do"], None, 0.088, d["Aqk"]),
         "kda_cute_dhu",
     )
 
@@ -97,7 +102,8 @@ def test_two_warpgroup_variants_compile():
     _check(fwd.compile_for(*_fwd_args(d), d["h0"], True, 0.1, warpgroups=2), "kda_cute_fwd")
     _check(
         dhu.compile_for(
-            d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1, stages=1, warpgroups=2
+            d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], None, 0.1, d["Aqk"], stages=1,
+            warpgroups=2
         ),
         "kda_cute_dhu",
     )
@@ -139,7 +145,7 @@ def test_is_supported_needs_cuda_on_cpu():
     assert "CUDA" in b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False)
     assert "CUDA" in fwd.is_supported(*_fwd_args(d), None, False, 0.1)
     assert "CUDA" in fwd.plan_reason(d["q"], d["u"])
-    assert "CUDA" in dhu.is_supported(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1)
+    assert "CUDA" in dhu.is_supported(*_dhu_args(d), 0.1, d["Aqk"])
 
 
 def test_static_reasons(monkeypatch):
@@ -147,7 +153,7 @@ def test_static_reasons(monkeypatch):
     d = _t()
     assert b1.static_reason(d["kg"], d["w"], d["u"], d["gk"]) is None
     assert fwd.static_reason(*_fwd_args(d)) is None
-    assert dhu.static_reason(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"]) is None
+    assert dhu.static_reason(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], None, d["Aqk"]) is None
     e = _t(K=64)
     assert "K=64" in b1.static_reason(e["kg"], e["w"], e["u"], e["gk"])
     e = _t(V=96)
@@ -158,12 +164,17 @@ def test_static_reasons(monkeypatch):
     assert "contiguous" in b1.static_reason(d["kg"], nc, d["u"], d["gk"])
     assert "chunk 64" in fwd.static_reason(*_fwd_args(d)[:-1], d["Aqk"][..., :32].contiguous())
     assert "HV % H" in dhu.static_reason(
-        d["qg"][:, :, :3].contiguous(), d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"]
+        d["qg"][:, :, :3].contiguous(), d["kg"], d["w"], d["gk"], None, None, d["do"], None, d["Aqk"]
     )
     assert "initial_state" in b1.static_reason(d["kg"], d["w"], d["u"], d["gk"], d["h0"].double())
     assert "dht" in dhu.static_reason(
-        d["qg"], d["kg"], d["w"], d["gk"], None, d["h0"][:, :2].contiguous(), d["do"], d["dv"]
+        d["qg"], d["kg"], d["w"], d["gk"], None, d["h0"][:, :2].contiguous(), d["do"], None, d["Aqk"]
     )
+    # the fused form only: dv = tril(Aqk)^T do is the kernel's own (the chain's bwd_dAv is not run)
+    assert "takes Aqk and no dv" in dhu.static_reason(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"],
+                                                      d["dv"])
+    assert "Aqk [B, T, HV, 64]" in dhu.static_reason(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"],
+                                                     None, d["Aqk"][..., :32].contiguous())
 
 
 def test_chain_offers_the_three_scans(monkeypatch):
@@ -174,7 +185,7 @@ def test_chain_offers_the_three_scans(monkeypatch):
     for mod in (b1, fwd, dhu):
         monkeypatch.setattr(mod, "device_reason", lambda t: None)
     assert b1.is_supported(d["kg"], d["w"], d["u"], d["gk"], None, False) is None
-    assert dhu.is_supported(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"], 0.1) is None
+    assert dhu.is_supported(*_dhu_args(d), 0.1, d["Aqk"]) is None
     assert fwd.is_supported(*_fwd_args(d), None, False, 0.1) is None
     r = fwd.is_supported(d["q"], None, *_fwd_args(d)[2:], None, False, 0.1)
     assert r.startswith("qg not computed by fwd_intra")
@@ -240,7 +251,7 @@ def test_dhu_small_grid_goes_to_fla():
     """Below dhu's measured floor (64 V tiles: fla was faster on the H200) the gate says so."""
     d = _t()
     B, T, HV, V = d["do"].shape
-    r = dhu.static_reason(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], d["dv"])
+    r = dhu.static_reason(d["qg"], d["kg"], d["w"], d["gk"], None, None, d["do"], None, d["Aqk"])
     tiles = B * HV * (V // 64)
     assert (r is not None and "below the measured floor" in r) == (tiles < dhu.GRID_FLOOR), (tiles, r)
 
@@ -256,7 +267,7 @@ def test_direct_calls_refuse_what_they_cannot_compute(bad, needle):
         "b1.fwd_h": lambda: b1.fwd_h(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True),
         "fwd.fwd_scan": lambda: fwd.fwd_scan(*_fwd_args(d), d["h0"], True, 0.1),
         "dhu.bwd_dhu": lambda: dhu.bwd_dhu(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["h0"], d["do"],
-                                           d["dv"], 0.1),
+                                           None, 0.1, d["Aqk"]),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"kda_cute.{name}: unsupported call: .*{needle}"):

@@ -80,14 +80,14 @@ def test_fwd_ptx_computes_fwd_scan(sm90a, B, T, HV, V, stages, nwg):
 
 @pytest.mark.parametrize("B, T, HV, V, stages, nwg", [(1, 96, 1, 64, 2, 1), (1, 200, 2, 128, 1, 2)])
 def test_dhu_ptx_computes_bwd_dhu(sm90a, B, T, HV, V, stages, nwg):
-    """kda_cute_dhu's PTX (the reverse scan), interpreted: dh and dv2 match float64 to bf16
-    accuracy (measured 1.6e-3 / 2.7e-3)."""
+    """kda_cute_dhu's PTX (the reverse scan, dv = tril(Aqk)^T do inside; Aqk's upper triangle is
+    garbage, which the kernel must mask), interpreted: dh and dv2 match float64 to bf16 accuracy."""
     kg, w, u, gk = kda.scan_inputs(B=B, T=T, H=HV, HV=HV, V=V)
-    _, qg, _ = kda.q_and_aqk(B, T, HV, gk)
-    do, dv = kda.do_dv(B, T, HV, V, torch.Generator().manual_seed(2))
-    dh, dv2 = kda.emulate_dhu(qg, kg, w, gk, do, dv, 0.088, stages, nwg)
+    _, qg, Aqk = kda.q_and_aqk(B, T, HV, gk)
+    do = kda.upstream_do(B, T, HV, V, torch.Generator().manual_seed(2))
+    dh, dv2 = kda.emulate_dhu(qg, kg, w, gk, do, Aqk, 0.088, stages, nwg)
     want_dh, _, want_dv2 = rstages.bwd_dhu(qg.double(), kg.double(), w.double(), gk.double(), None, None,
-                                           do.double(), dv.double(), 0.088)
+                                           do.double(), None, 0.088, Aqk.double())
     _assert_matches((dh, dv2), (want_dh, want_dv2))
 
 
@@ -109,14 +109,14 @@ def test_dhu_ptx_with_dht_and_dh0(sm90a, stages, nwg, V):
     """dhu with dht read and dh0 written (fp32, through ld / st.global): dh, dv2 and dh0 match
     float64 (T = 96, one and two warpgroups)."""
     kg, w, u, gk = kda.scan_inputs(B=1, T=96, H=1, HV=1, V=V)
-    _, qg, _ = kda.q_and_aqk(1, 96, 1, gk)
+    _, qg, Aqk = kda.q_and_aqk(1, 96, 1, gk)
     g = torch.Generator().manual_seed(4)
-    do, dv = kda.do_dv(1, 96, 1, V, g)
+    do = kda.upstream_do(1, 96, 1, V, g)
     dht = torch.randn(1, 1, 128, V, generator=g) * 0.1
-    dh, dv2, dh0 = kda.emulate_dhu(qg, kg, w, gk, do, dv, 0.088, stages, nwg, dht=dht)
+    dh, dv2, dh0 = kda.emulate_dhu(qg, kg, w, gk, do, Aqk, 0.088, stages, nwg, dht=dht)
     h0 = torch.zeros(1, 1, 128, V, dtype=torch.float64)
     want = rstages.bwd_dhu(qg.double(), kg.double(), w.double(), gk.double(), h0, dht.double(),
-                           do.double(), dv.double(), 0.088)
+                           do.double(), None, 0.088, Aqk.double())
     _assert_matches((dh, dh0, dv2), want)
 
 

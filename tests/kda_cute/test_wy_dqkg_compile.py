@@ -121,6 +121,62 @@ def test_fp16_fp32_beta_strong_gate(ptx):
     _check(emulate_wy_dqkg(text, a), a, 0.25)
 
 
+def _fla_dAqk(v_new, do, scale):
+    """fla 0.6.0's chunk_kda_bwd_dAv dA in torch: tl.dot of the io-dtype do and v_new into fp32,
+    x scale, lower with the diagonal, per chunk of 64. T % 64 == 0. [B, T, HV, 64] float32."""
+    B, T, HV, V = do.shape
+
+    def ch(x):  # [B, T, HV, V] -> [B, NT, HV, 64, V] float32
+        return x.float().view(B, T // 64, 64, HV, V).transpose(2, 3)
+
+    dA = (scale * (ch(do) @ ch(v_new).transpose(-1, -2))).tril()
+    return dA.transpose(2, 3).reshape(B, T, HV, 64)
+
+
+@pytest.mark.parametrize(
+    "kw, scale, ctas",
+    [
+        # bf16, V = 192: three V tiles (the ring refilled once), one CTA
+        (dict(B=1, T=64, H=1, HV=1, V=192, seed=4), SCALE, None),
+        # fp16, fp32 beta, GVA: the second chunk / value head / batch's CTA and the first
+        (dict(B=2, T=128, H=1, HV=2, V=64, dtype=torch.float16, beta_dtype=torch.float32, seed=5), 0.25,
+         [(1, 1, 1), (0, 0, 0)]),
+    ],
+    ids=["bf16-V192", "fp16-gva"],
+)
+def test_want_dAqk_adds_dAv_dA_and_leaves_the_rest_bitwise(ptx, kw, scale, ctas):
+    """want_dAqk: the seventh output is fla's chunk_kda_bwd_dAv dA = scale tril(do v_new^T) (fp32,
+    poisoned first): within 2x of fla's error vs float64 (`bwd_dAv`), exactly zero above the
+    diagonal; the six other outputs are bitwise those of the want_dAqk=False kernel (which never
+    writes dAqk's slot: the harness checks)."""
+    a = wy_inputs(**kw)
+    on = ptx(W.compile_for(*a, scale, want_dAqk=True, keep_ptx=True))
+    off = ptx(W.compile_for(*a, scale, keep_ptx=True))
+    assert on != off and ".local" not in on.split(".entry", 1)[1], "register arrays fell to local memory"
+    got = emulate_wy_dqkg(on, a, ctas=ctas, want_dAqk=True)
+    base = emulate_wy_dqkg(off, a, ctas=ctas)
+    assert len(got) == 7 and len(base) == 6
+    rows = None if ctas is None else [(b, 64 * tx, hy) for tx, hy, b in ctas]
+    _check(base, a, scale, rows)
+    for name, x, y in zip(NAMES, got[:6], base, strict=True):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{name} changed by want_dAqk"
+
+    v_new, do = a[3], a[8]
+    Aqk = torch.zeros(*do.shape[:3], 64, dtype=do.dtype)  # bwd_dAv's dv term only
+    want = ref.bwd_dAv(*[t.double() for t in (v_new, do, Aqk)], scale)[0]
+    fla = _fla_dAqk(v_new, do, scale)
+    chunks = rows or [(b, t0, hv) for b in range(do.shape[0]) for t0 in range(0, do.shape[1], 64)
+                      for hv in range(do.shape[2])]
+    x, w, f = (torch.stack([t[b, t0:t0 + 64, hv] for b, t0, hv in chunks]) for t in (got[6], want, fla))
+    assert torch.isfinite(x).all(), "dAqk: unwritten (NaN) entries"
+    upper = torch.triu(torch.ones(64, 64, dtype=torch.bool), 1)
+    assert (x[:, upper] == 0).all(), "dAqk: nonzero above the diagonal"
+    assert (x[:, ~upper] != 0).all()
+    e, ef = ref.rel_err(x, w), ref.rel_err(f, w)
+    print(f"dAqk rel err vs float64: ours {e:.3e}, fla {ef:.3e}, ratio {e / ef:.3f}")
+    assert e <= 2.0 * ef + 1e-9, (e, ef)
+
+
 def test_fla_cast_model_is_the_contract():
     """The yardstick itself: in float64 the fla-cast model equals the reference (so its float32
     error is rounding only), and in float32 its error sits at the bf16 level."""

@@ -1,27 +1,33 @@
 """dhu: the backward state scan on sm_90 (fla 0.6.0's `chunk_gated_delta_rule_bwd_dhu` as
-`chunk_kda_bwd` calls it: q = qg, k = kg, gk, h0, dht, scale).
+`chunk_kda_bwd` calls it: q = qg, k = kg, gk, h0, dht, scale), with the dv half of fla's
+`chunk_kda_bwd_dAv` fused in: this kernel reads Aqk instead of dAv's dv.
 
 Per (b, hv), newest chunk first (gk in log2 units, gd = gk at the chunk's last valid row):
 
     dh[:, c]  = dh_c                                      (bf16, [B, NT, HV, K, V])
-    dv2_c     = dv_c + kg_c @ bf16(dh_c)                  (fp32 accumulate, stored in dv's dtype)
+    dv2_c     = tril(Aqk_c)^T @ do_c + kg_c @ bf16(dh_c)  (fp32 accumulate, stored in do's dtype)
     dh_{c-1}  = exp2(gd_c)[:, None] * dh_c + scale * qg_c^T @ do_c - w_c^T @ bf16(dv2_c)
     dh0       = dh_0 (fp32, only when h0 is given; fla's contract), dh_NT = dht or 0
 
+fla rounds dAv's dv to bf16 before dhu adds kg @ dh; here both products share one fp32
+accumulator (one rounding fewer).
+
 CTA decomposition: `kda_cute._scan`'s skeleton: one warpgroup per (b, hv, 64-wide V tile), `nwg`
-per CTA sharing the kg / qg / w tiles, grid (V / (64 nwg), HV, B), chunks walked in reverse
+per CTA sharing the kg / qg / w / Aqk tiles, grid (V / (64 nwg), HV, B), chunks walked in reverse
 through the same TMA ring; `variant()` picks nwg by grid.
 
 The state dh [128 k, 64 v] fp32 is the accumulator of both state GEMMs: it is scaled by
 exp2(gd) / scale, `qg^T @ do` accumulates into it, it is scaled by -scale, `w^T @ dv2`
 accumulates into it, and it is negated: dh*e + scale*Q - W with two wgmma groups and no extra
 register tile (sign flips are exact; the two fp32 scalings round like fla's separate products to
-within an ulp). `kg @ dh` (K-major kg) and `qg^T @ do` (MN-major qg, do) go out in one wgmma group.
+within an ulp). `kg @ dh` (K-major kg), `tril(Aqk)^T @ do` and `qg^T @ do` (MN-major Aqk^T, qg,
+do) go out in one wgmma group; Aqk's strictly-upper triangle is zeroed in smem first (fla's
+fwd_intra leaves it unwritten), under the barrier that publishes the bf16 dh.
 
-Layouts: kg arrives token-major (T, K); qg and w feature-major (K, T); do and dv (V, T). dh
-leaves by TMA store from the bf16 smem copy that is also the B operand of `kg @ dh`; dv2 from the
-bf16 buffer that is the B operand of `w^T @ dv2`. smem per stage: kg, qg, w 16 KB each, do and
-dv 8 KB each per V tile; per warpgroup the dh (16 KB) and dv2 (8 KB) buffers.
+Layouts: kg arrives token-major (T, K); qg and w feature-major (K, T); Aqk as (s, t) (A = Aqk^T,
+MN-major); do (V, T). dh leaves by TMA store from the bf16 smem copy that is also the B operand of
+`kg @ dh`; dv2 from the bf16 buffer that is the B operand of `w^T @ dv2`. smem per stage: kg, qg,
+w 16 KB each, Aqk 8 KB, do 8 KB per V tile; per warpgroup the dh (16 KB) and dv2 (8 KB) buffers.
 
 Constraints: bf16 / fp16; K = 128; V % 64 == 0; HV % H == 0; contiguous, aligned, no varlen;
 h0 / dht / dh0 fp32 [B, HV, K, V]; at least GRID_FLOOR = 128 V tiles (B * HV * V / 64), below
@@ -29,9 +35,10 @@ which fla is faster.
 
 Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (no dht / dh0; each adds 0.034 GB):
 
-    read    qg 0.537 GB, kg 0.537, w 0.537, do 1.074, dv 1.074, gk rows 0.017    3.776 GB
+    read    qg 0.537 GB, kg 0.537, w 0.537, do 1.074, Aqk 0.537 (once per CTA: two per
+            (b, hv) at V256), gk rows 0.017                                         3.239 GB
     write   dh 2.147 GB, dv2 1.074                                                3.221 GB
-    total   6.997 GB: 3.82 TB/s at 1.834 ms
+    total   6.460 GB (the unfused kernel read dv instead: 6.997 GB, plus dAv's own 3.49 GB)
 
 Why this design:
   * the smem-operand skeleton, not b1's register-A form: that form measured 1.885 vs 1.834 ms in
@@ -88,14 +95,14 @@ class _Dhu(P.Build):
         self.l_kg = S.smem_layout(dt, S.BT, S.KD, True, st)  # kg (t, k) A K-major, shared by the warpgroups
         self.l_q = S.smem_layout(dt, S.KD, S.BT, False, st)  # qg^T (k, t) A MN-major, shared
         self.l_w = S.smem_layout(dt, S.KD, S.BT, False, st)  # w^T (k, t) A MN-major, shared
+        self.l_a = S.smem_layout(dt, S.BT, S.BT, False, st)  # Aqk^T (s, r) A MN-major, shared
         self.l_do = S.smem_layout(dt, S.BV, S.BT, False, st * nwg)  # do (v, t) B MN-major, per warpgroup
-        self.l_dv = S.smem_layout(dt, S.BV, S.BT, False, st * nwg)  # dv (v, t), per warpgroup
         self.l_h = S.smem_layout(dt, S.BV, S.KD, False, nwg)
         self.l_v = S.smem_layout(dt, S.BV, S.BT, False, nwg)
-        self.tx_bytes = sum(S.tile_bytes(dt, lay) for lay in (self.l_kg, self.l_q, self.l_w))
-        self.tx_bytes += nwg * (S.tile_bytes(dt, self.l_do) + S.tile_bytes(dt, self.l_dv))
+        self.tx_bytes = sum(S.tile_bytes(dt, lay) for lay in (self.l_kg, self.l_q, self.l_w, self.l_a))
+        self.tx_bytes += nwg * S.tile_bytes(dt, self.l_do)
         self.tiles = dict(
-            sKg=self.l_kg, sQ=self.l_q, sW=self.l_w, sDo=self.l_do, sDv=self.l_dv, sH=self.l_h, sV=self.l_v
+            sKg=self.l_kg, sQ=self.l_q, sW=self.l_w, sA=self.l_a, sDo=self.l_do, sH=self.l_h, sV=self.l_v
         )
 
 
@@ -104,14 +111,14 @@ def _dhu_kernel(cfg):
     import cutlass.cute as cute
 
     class K:
-        def operands(self, qg, kg, w, gk, dht, do, dv, dh, dh0, dv2):
+        def operands(self, qg, kg, w, gk, dht, do, aqk, dh, dh0, dv2):
             # the kernel's arguments: its TMA operands (in its order), then the others
             tmas = (
                 S.tma_load(S.row_view(kg), cfg.l_kg, (S.BT, S.KD)),
                 S.tma_load(S.col_view(qg), cfg.l_q, (S.KD, S.BT)),
                 S.tma_load(S.col_view(w), cfg.l_w, (S.KD, S.BT)),
+                S.tma_load(S.col_view(aqk), cfg.l_a, (S.BT, S.BT)),
                 S.tma_load(S.col_view(do), cfg.l_do, (S.BV, S.BT)),
-                S.tma_load(S.col_view(dv), cfg.l_dv, (S.BV, S.BT)),
                 S.tma_store(S.state_view(dh), cfg.l_h, (S.BV, S.KD)),
                 S.tma_store(S.col_view(dv2), cfg.l_v, (S.BV, S.BT)),
             )
@@ -120,25 +127,25 @@ def _dhu_kernel(cfg):
 
         @cute.kernel
         def kda_cute_dhu(self, tmas, mGk, mDht, mDh0, mma_tt: cute.TiledMma, mma_kv: cute.TiledMma):
-            kg, q, w, do, dv, h, v = S.pairs(tmas)
+            kg, q, w, a, do, h, v = S.pairs(tmas)
             nst, nwg = cfg.stages, cfg.nwg
             cta = S.Cta(cfg, mGk)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
             hk, hq, T, NT, mbar, sG = cta.hk, cta.hq, cta.T, cta.NT, cta.mbar, cta.sG
-            sKg, sQ, sW, sDo, sDv, sH, sV = cta.tiles
+            sKg, sQ, sW, sA, sDo, sH, sV = cta.tiles
             sH, sV = sH[None, None, wg], sV[None, None, wg]
 
             loads = [
                 S.load(kg, sKg, (S.BT, S.KD), (None, 0, hk, b)),
                 S.load(q, sQ, (S.KD, S.BT), (0, None, hq, b)),
                 S.load(w, sW, (S.KD, S.BT), (0, None, hv, b)),
+                S.load(a, sA, (S.BT, S.BT), (0, None, hv, b)),
             ]
             st_h = S.store(h, sH, (S.BV, S.KD), (vt, 0, hv, None, b))
             st_v = S.store(v, sV, (S.BV, S.BT), (vt, None, hv, b))
             for i in cutlass.range_constexpr(nwg):
                 vti = bv * nwg + i
                 loads.append(S.load(do, sDo, (S.BV, S.BT), (vti, None, hv, b), nwg, i))
-                loads.append(S.load(dv, sDv, (S.BV, S.BT), (vti, None, hv, b), nwg, i))
             S.prologue(mbar, nst, cfg.tx_bytes, loads, NT - 1, -1, NT, tid)
 
             thr_tt = mma_tt.get_slice(wtid)
@@ -147,6 +154,7 @@ def _dhu_kernel(cfg):
             tBh = mma_tt.make_fragment_B(thr_tt.partition_B(sH))
             tAq = mma_kv.make_fragment_A(thr_kv.partition_A(sQ))
             tAw = mma_kv.make_fragment_A(thr_kv.partition_A(sW))
+            tAa = mma_kv.make_fragment_A(thr_kv.partition_A(sA))  # the (64, 64) tile: one M block
             tBdo = mma_kv.make_fragment_B(thr_kv.partition_B(sDo))
             tBv = mma_kv.make_fragment_B(thr_kv.partition_B(sV))
             cS = thr_kv.partition_C(cute.make_identity_tensor((S.KD, S.BV)))
@@ -155,7 +163,6 @@ def _dhu_kernel(cfg):
             accP = cute.make_rmem_tensor(cP.shape, cutlass.Float32)
             tSsH = thr_kv.partition_C(S.transposed(sH))
             tPsV = thr_tt.partition_C(S.transposed(sV))
-            sDv_tv = S.transposed(sDv)
 
             tSgDh0 = thr_kv.partition_C(cute.local_tile(mDh0, (S.KD, S.BV), (0, vt, hv, b)))
             gDht = cute.local_tile(mDht, (S.KD, S.BV), (0, vt, hv, b))
@@ -171,18 +178,20 @@ def _dhu_kernel(cfg):
                 last = cutlass.min((c + 1) * S.BT, T) - 1
                 S.load_row_scale(sG, mGk[None, last, hv, b], tid)
                 S.frag_to_smem(acc, tSsH, cfg.dtype)
+                cute.arch.mbarrier_wait(mbar + s, phase)
+                # Aqk's strictly-upper triangle (s > r) zeroed: fla's fwd_intra leaves it unwritten
+                S.mask_upper(S.transposed(sA[None, None, s]), tid, S.THREADS * nwg)
                 S.sync_smem_for_async()
                 if wtid == 0:
                     S.store_chunk(st_h, c)
-                cute.arch.mbarrier_wait(mbar + s, phase)
-                # P = kg @ bf16(dh) ; X = dh * exp2(gd) / scale + qg^T @ do   (one wgmma group)
+                # P = kg @ bf16(dh) + tril(Aqk)^T @ do ; X = dh * exp2(gd) / scale + qg^T @ do
+                # (one wgmma group; the C layouts of mma_tt and mma_kv are the same m64n64 one)
                 S.scale_rows(acc, cS, sG, cutlass.Float32(1.0 / cfg.scale))
                 cute.nvgpu.warpgroup.fence()
                 S.gemm(mma_tt, accP, tAk, tBh, s, None, False)
+                S.gemm(mma_kv, accP, tAa, tBdo, s, s * nwg + wg, True)
                 S.gemm(mma_kv, acc, tAq, tBdo, s, s * nwg + wg, True)
                 S.wgmma_wait()
-                dvf = S.smem_to_frag_f32(thr_tt.partition_C(sDv_tv[None, None, s * nwg + wg]), accP)
-                accP.store(dvf.load() + accP.load())
                 S.frag_to_smem(accP, tPsV, cfg.dtype)
                 S.sync_smem_for_async()
                 if wtid == 0:
@@ -207,24 +216,26 @@ def _dhu_kernel(cfg):
 
 
 # ------------------------------------------------------------------------------------ host side
-def is_supported(qg, kg, w, gk, h0, dht, do, dv, scale=None) -> str | None:
-    return device_reason(do) or static_reason(qg, kg, w, gk, h0, dht, do, dv)
+def is_supported(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None) -> str | None:
+    return device_reason(do) or static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk)
 
 
-def static_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
+def static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None) -> str | None:
     """Shape / dtype / layout checks and the grid floor (no device needed)."""
-    return hard_reason(qg, kg, w, gk, h0, dht, do, dv) or P.floor_reason(do.shape, GRID_FLOOR)
+    return hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk) or P.floor_reason(do.shape, GRID_FLOOR)
 
 
-def hard_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
+def hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None) -> str | None:
     """What the kernel cannot compute at all (shape / dtype / layout)."""
+    if Aqk is None or dv is not None:
+        return "the kernel takes Aqk and no dv (it computes dv = tril(Aqk)^T do itself)"
     if do.dtype not in P.DTYPES:
         return f"dtype {do.dtype} (bf16/fp16 only)"
-    if any(t.dtype != do.dtype for t in (qg, kg, w, dv)):
-        return "qg, kg, w, do, dv must share one dtype"
+    if any(t.dtype != do.dtype for t in (qg, kg, w, Aqk)):
+        return "qg, kg, w, do, Aqk must share one dtype"
     if gk.dtype != torch.float32:
         return f"gk must be fp32 (got {gk.dtype})"
-    if any(t.dim() != 4 for t in (qg, kg, w, gk, do, dv)):
+    if any(t.dim() != 4 for t in (qg, kg, w, gk, do, Aqk)):
         return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
     B, T, HV, V = do.shape
     K = w.shape[-1]
@@ -232,15 +243,15 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
     if r:
         return r
     if (
-        tuple(dv.shape) != (B, T, HV, V)
+        tuple(Aqk.shape) != (B, T, HV, P.BT)
         or tuple(w.shape) != (B, T, HV, K)
         or tuple(gk.shape) != (B, T, HV, K)
     ):
-        return "dv / w / gk shapes do not match do"
+        return "Aqk [B, T, HV, 64] / w / gk shapes do not match do"
     for name, t in (("qg", qg), ("kg", kg)):
         if t.shape[0] != B or t.shape[1] != T or t.shape[3] != K or HV % t.shape[2]:
             return f"{name} must be [B, T, H, 128] with HV % H == 0"
-    for name, t in (("qg", qg), ("kg", kg), ("w", w), ("gk", gk), ("do", do), ("dv", dv)):
+    for name, t in (("qg", qg), ("kg", kg), ("w", w), ("gk", gk), ("do", do), ("Aqk", Aqk)):
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
     for name, t in (("h0", h0), ("dht", dht)):
@@ -250,7 +261,7 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv) -> str | None:
     return None
 
 
-def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
+def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, stages, warpgroups):
     B, T, HV, V = do.shape
     stages, nwg = P.pick_build(variant(B, HV, V), stages, warpgroups, V)
     K = w.shape[-1]
@@ -260,7 +271,7 @@ def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
     dev = do.device
     dh = alloc((B, NT, HV, K, V), qg.dtype, dev)
     dh0 = alloc((B, HV, K, V), torch.float32, dev) if h0 is not None else None
-    dv2 = alloc(dv.shape, dv.dtype, dev)
+    dv2 = alloc(do.shape, do.dtype, dev)
     dummy = P.dummy(dev)
     args = (
         qg,
@@ -269,7 +280,7 @@ def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
         gk,
         dht if dht is not None else dummy,
         do,
-        dv,
+        Aqk,
         dh,
         dh0 if dh0 is not None else dummy,
         dv2,
@@ -287,25 +298,26 @@ def _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups):
     return (dh, dh0, dv2), args, dyn, cfg
 
 
-def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
+def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, *, stages=None, warpgroups=None):
     """Compile without launching (CPU tests); returns the compiled object."""
-    _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
+    _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, stages, warpgroups)
     return S.compile_only(_Dhu, _dhu_kernel, cfg, args, dyn)
 
 
-def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
-    """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2).
+def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, *, stages=None, warpgroups=None):
+    """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2 in do's
+    dtype). The contract's fused form only: dv None, Aqk given (dv2 = tril(Aqk)^T do + kg dh).
     `stages` / `warpgroups`: the compiled variant (see b1.fwd_h). Raises ValueError on a call the
     kernel cannot compute (shape, dtype, layout, device)."""
-    r = hard_reason(qg, kg, w, gk, h0, dht, do, dv) or device_reason(do)
+    r = hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk) or device_reason(do)
     if r is not None:
         raise ValueError(f"kda_cute.dhu.bwd_dhu: unsupported call: {r}")
-    return launch(qg, kg, w, gk, h0, dht, do, dv, scale, stages=stages, warpgroups=warpgroups)
+    return launch(qg, kg, w, gk, h0, dht, do, dv, scale, Aqk, stages=stages, warpgroups=warpgroups)
 
 
-def launch(qg, kg, w, gk, h0, dht, do, dv, scale=None, *, stages=None, warpgroups=None):
+def launch(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, *, stages=None, warpgroups=None):
     """`bwd_dhu` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    outs, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, dv, scale, stages, warpgroups)
+    outs, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, stages, warpgroups)
     S.run_cached(_cache, _Dhu, _dhu_kernel, cfg, args, dyn)
     return outs

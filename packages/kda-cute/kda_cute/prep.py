@@ -111,6 +111,24 @@ def _build_kernel_class():
         bits, so adding half a tf32 ulp rounds (fla's tl.dot converts with cvt.rna)."""
         return cutlass.Int32(arith.bitcast(T.i32(), f32(x).ir_value())) + 0x1000
 
+    def _diag_slot(d0, m, first):
+        """(token row, anchor row) of slot m (0-15) of a diagonal block's anchored 16 x 16
+        product (block rows d0 .. d0 + 15). A operand (first = 8): slots 0-7 rows 8-15 (anchor 7),
+        8-11 rows 4-7 (anchor 3), 12-15 rows 12-15 (anchor 11). B operand (first = 0): slots 0-7
+        sources 0-7 (anchor 7), 8-11 sources 0-3 (anchor 3), 12-15 sources 8-11 (anchor 11)."""
+        hi = m // 8
+        qd = (m // 4) % 2
+        row = d0 + (1 - hi) * (first + m) + hi * (m - 8 + first // 2 + 4 * qd)
+        return row, d0 + (1 - hi) * 7 + hi * (3 + 8 * qd)
+
+    def _diag_pair(m, n):
+        """1 where slot pair (m, n) of `_diag_slot` is one of its three quadrants' pairs, else 0."""
+        hm, hn = m // 8, n // 8
+        qm, qn = (m // 4) % 2, (n // 4) % 2
+        same_half = 1 - (hm + hn - 2 * hm * hn)
+        same_quad = 1 - (qm + qn - 2 * qm * qn)
+        return same_half * ((1 - hm) + hm * same_quad)
+
     class _Kernel(KdaPrep):
         @cute.jit
         def __call__(
@@ -136,21 +154,49 @@ def _build_kernel_class():
                           preferred_smem_carveout=100, stream=stream)
 
         @cute.jit
-        def _below_diagonal(self, sQ, sK, sG, sBeta, sAqk, sL, p, lane):
-            """Block (i, j), i > j, of Aqk and L on one warp: p -> (1,0) (2,0) (2,1) (3,0) (3,1)
-            (3,2); tf32 mma m16n8k8 over K, anchored at block j's last row."""
+        def _tf32_block(self, sQ, sK, sG, sBeta, sAqk, sL, p, lane, diag: cutlass.Constexpr):
+            """One 16 x 16 block of Aqk and L on one warp, tf32 mma m16n8k8 over K, each operand
+            row anchored at a row between its pair so both exponents are <= 0.
+
+            Below the diagonal (diag False): block (i, j), i > j, p -> (1,0) (2,0) (2,1) (3,0)
+            (3,1) (3,2), every slot anchored at block j's last row.
+            On the diagonal (diag True, block p): three quadrants in one 16 x 16 product, the
+            slots mapped by `_diag_slot`: rows 8-15 x sources 0-7 (anchor 7), rows 4-7 x sources
+            0-3 (anchor 3), rows 12-15 x sources 8-11 (anchor 11); only those pairs are stored (the
+            four 4 x 4 blocks on the diagonal are `_diag_exact`'s)."""
             K = self.K
             io = self.io_dtype
-            bi = 1 + (p + 5) // 6 + (p + 3) // 6  # 1 2 2 3 3 3
-            bj = p - (bi * (bi - 1)) // 2  # 0 0 1 0 1 2
-            r0 = bi * BC
-            s0 = bj * BC
-            sl = s0 + BC - 1
+            r0 = p * BC
+            s0 = p * BC
+            sl = p * BC
+            if cutlass.const_expr(not diag):
+                bi = 1 + (p + 5) // 6 + (p + 3) // 6  # 1 2 2 3 3 3
+                bj = p - (bi * (bi - 1)) // 2  # 0 0 1 0 1 2
+                r0 = bi * BC
+                s0 = bj * BC
+                sl = s0 + BC - 1
             tmma = cute.make_tiled_mma(warp.MmaTF32Op((16, 8, 8)))
             thr = tmma.get_slice(lane)
             cA = thr.partition_A(cute.make_identity_tensor((BC, 8)))  # (m, k) per register
             cB = thr.partition_B(cute.make_identity_tensor((BC, 8)))  # (n, k)
             cC = thr.partition_C(cute.make_identity_tensor((BC, BC)))  # (m, n)
+            # each operand register's token row and anchor row (fixed over the K walk)
+            rowA = cute.make_rmem_tensor(cute.make_layout(cute.size(cA)), cutlass.Int32)
+            ancA = cute.make_rmem_tensor(cute.make_layout(cute.size(cA)), cutlass.Int32)
+            rowB = cute.make_rmem_tensor(cute.make_layout(cute.size(cB)), cutlass.Int32)
+            ancB = cute.make_rmem_tensor(cute.make_layout(cute.size(cB)), cutlass.Int32)
+            for ei in cutlass.range_constexpr(cute.size(cA)):
+                ma, _ = cA[ei]
+                rowA[ei] = r0 + ma
+                ancA[ei] = sl
+                if cutlass.const_expr(diag):
+                    rowA[ei], ancA[ei] = _diag_slot(r0, ma, 8)
+            for ei in cutlass.range_constexpr(cute.size(cB)):
+                nb, _ = cB[ei]
+                rowB[ei] = s0 + nb
+                ancB[ei] = sl
+                if cutlass.const_expr(diag):
+                    rowB[ei], ancB[ei] = _diag_slot(s0, nb, 0)
             fAq = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
             fAk = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
             fB = cute.make_rmem_tensor(cB.shape, cutlass.TFloat32)
@@ -163,60 +209,59 @@ def _build_kernel_class():
             acck.fill(0.0)
             for k0 in cutlass.range(0, K, 8, unroll=2):
                 for ei in cutlass.range_constexpr(cute.size(cA)):
-                    ma, ka = cA[ei]
-                    e = _exp2(sG[r0 + ma, k0 + ka] - sG[sl, k0 + ka])
-                    fAqi[ei] = _tf32(f32(sQ[r0 + ma, k0 + ka]) * e)
-                    fAki[ei] = _tf32(f32(sK[r0 + ma, k0 + ka]) * e)
+                    _, ka = cA[ei]
+                    ra = rowA[ei]
+                    e = _exp2(sG[ra, k0 + ka] - sG[ancA[ei], k0 + ka])
+                    fAqi[ei] = _tf32(f32(sQ[ra, k0 + ka]) * e)
+                    fAki[ei] = _tf32(f32(sK[ra, k0 + ka]) * e)
                 for ei in cutlass.range_constexpr(cute.size(cB)):
-                    nb, kb = cB[ei]
-                    fBi[ei] = _tf32(f32(sK[s0 + nb, k0 + kb]) * _exp2(sG[sl, k0 + kb] - sG[s0 + nb, k0 + kb]))
+                    _, kb = cB[ei]
+                    rb = rowB[ei]
+                    fBi[ei] = _tf32(f32(sK[rb, k0 + kb]) * _exp2(sG[ancB[ei], k0 + kb] - sG[rb, k0 + kb]))
                 cute.gemm(tmma, accq, fAq, fB, accq)
                 cute.gemm(tmma, acck, fAk, fB, acck)
             for ei in cutlass.range_constexpr(cute.size(cC)):
                 mc, nc = cC[ei]
-                sAqk[r0 + mc, s0 + nc] = io(accq[ei] * self.scale)
-                sL[r0 + mc, s0 + nc] = acck[ei] * sBeta[r0 + mc]
+                r = r0 + mc
+                sc = s0 + nc
+                keep = cutlass.Int32(1)
+                if cutlass.const_expr(diag):
+                    r, _ = _diag_slot(r0, mc, 8)
+                    sc, _ = _diag_slot(s0, nc, 0)
+                    keep = _diag_pair(mc, nc)
+                if keep == 1:
+                    sAqk[r, sc] = io(accq[ei] * self.scale)
+                    sL[r, sc] = acck[ei] * sBeta[r]
 
         @cute.jit
-        def _diagonal(self, sQ4, sK4, sG4, sBeta, sAqk, sL, tt):
-            """The diagonal blocks of Aqk and L in SIMT fp32, one exp2 per (r, s, d): thread tt
-            (0..255) owns block tt / 64, row (tt / 4) % 16, sources sq, sq + 4, sq + 8, sq + 12
-            (sq = tt % 4) up to the row."""
+        def _diag_exact(self, sQ4, sK4, sG4, sBeta, sAqk, sL, t):
+            """The sixteen 4 x 4 blocks on the diagonal (the 40 pairs r >= s per 16-row block that
+            no anchor separates), SIMT fp32, one exp2 per (r, s, d): thread t < 160 owns one pair,
+            block t / 40, 4-row quad (t / 10) % 4, pair t % 10 -> (i, j), i >= j, in the quad."""
             io = self.io_dtype
-            blk = tt // 64
-            r = (tt // 4) % BC
-            sq = tt % 4
-            rr = blk * BC + r
+            blk = t // 40
+            quad = (t // 10) % 4
+            pr = t % 10
+            i = (pr + 9) // 10 + (pr + 7) // 10 + (pr + 4) // 10  # 0 1 1 2 2 2 3 3 3 3
+            j = pr - (i * (i + 1)) // 2
+            rr = blk * BC + quad * 4 + i
+            ss = blk * BC + quad * 4 + j
             aq = cute.make_rmem_tensor(cute.make_layout(4), f32)
             ak = cute.make_rmem_tensor(cute.make_layout(4), f32)
             aq.fill(0.0)
             ak.fill(0.0)
-            # the row's 4 columns, in registers (a TensorSSA's elements extracted under one
-            # branch would not dominate the next branch's uses)
-            qr = cute.make_rmem_tensor(cute.make_layout(4), f32)
-            kr = cute.make_rmem_tensor(cute.make_layout(4), f32)
-            gr = cute.make_rmem_tensor(cute.make_layout(4), f32)
             for c4 in cutlass.range(self.K // 4, unroll=2):
-                qr.store(sQ4[rr, c4, None].load().to(f32))
-                kr.store(sK4[rr, c4, None].load().to(f32))
-                gr.store(sG4[rr, c4, None].load())
-                for mm in cutlass.range_constexpr(4):
-                    if sq + 4 * mm <= r:
-                        self._diag_step(sK4, sG4, aq, ak, qr, kr, gr, blk * BC + sq + 4 * mm, c4, mm)
-            for mm in cutlass.range_constexpr(4):
-                if sq + 4 * mm <= r:
-                    sAqk[rr, blk * BC + sq + 4 * mm] = io(aq[mm] * self.scale)
-                    sL[rr, blk * BC + sq + 4 * mm] = ak[mm] * sBeta[rr]
-
-        @cute.jit
-        def _diag_step(self, sK4, sG4, aq, ak, qr, kr, gr, ss, c4, mm: cutlass.Constexpr):
-            """aq[mm] += sum over 4 columns of q_r k_s D_rs, ak[mm] likewise with k_r."""
-            ks = sK4[ss, c4, None].load().to(f32)
-            gs = sG4[ss, c4, None].load()
-            for i in cutlass.range_constexpr(4):
-                kx = ks[i] * _exp2(gr[i] - gs[i])
-                aq[mm] = aq[mm] + qr[i] * kx
-                ak[mm] = ak[mm] + kr[i] * kx
+                qv = sQ4[rr, c4, None].load().to(f32)
+                kv = sK4[rr, c4, None].load().to(f32)
+                gv = sG4[rr, c4, None].load()
+                ks = sK4[ss, c4, None].load().to(f32)
+                gs = sG4[ss, c4, None].load()
+                for x in cutlass.range_constexpr(4):
+                    kx = ks[x] * _exp2(gv[x] - gs[x])
+                    aq[x] = aq[x] + qv[x] * kx
+                    ak[x] = ak[x] + kv[x] * kx
+            sAqk[rr, ss] = io(((aq[0] + aq[1]) + (aq[2] + aq[3])) * self.scale)
+            sL[rr, ss] = ((ak[0] + ak[1]) + (ak[2] + ak[3])) * sBeta[rr]
 
         @cute.jit
         def _invert_diagonal(self, sL, sX, t):
@@ -380,10 +425,16 @@ def _build_kernel_class():
                     if cutlass.const_expr(self.want_qg):
                         cute.copy(st8, rqg, tQg[None, m, n])
 
-            # ---------------- phase 1: Aqk (staged in sX's storage) and L
+            # ---------------- phase 1: Aqk (staged in sX's storage) and L. Warps 0-5: a block
+            # below the diagonal each, then (warps 0-4) the 160 pairs of the 4 x 4 diagonal blocks;
+            # warps 6-7: the anchored quadrants of two diagonal blocks each.
             if wid < 6:
-                self._below_diagonal(sQ, sK, sG, sBeta, sAqk, sL, wid, lane)
-            self._diagonal(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx)
+                self._tf32_block(sQ, sK, sG, sBeta, sAqk, sL, wid, lane, False)
+                if tidx < 160:
+                    self._diag_exact(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx)
+            else:
+                for jd in cutlass.range_constexpr(2):
+                    self._tf32_block(sQ, sK, sG, sBeta, sAqk, sL, 2 * (wid - 6) + jd, lane, True)
             cute.arch.sync_threads()
             cA64 = t8.partition_D(cute.make_identity_tensor((BT, BT)))
             tAqk = t8.partition_D(gAqk)

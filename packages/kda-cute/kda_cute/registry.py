@@ -98,9 +98,11 @@ def _probe_b1(d: Dims) -> tuple:
 
 
 def _probe_dhu(d: Dims) -> tuple:
-    # bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale)
+    # bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale, Aqk): the fused form the chain passes
+    # (dv = tril(Aqk)^T do inside, no dv)
     kv, vv = d.t(d.B, d.T, d.HV, d.K), d.t(d.B, d.T, d.HV, d.V)
-    return (kv, kv, kv, d.t(d.B, d.T, d.HV, d.K, dtype=_F32), None, None, vv, vv, d.K**-0.5)
+    return (kv, kv, kv, d.t(d.B, d.T, d.HV, d.K, dtype=_F32), None, None, vv, None, d.K**-0.5,
+            d.t(d.B, d.T, d.HV, 64))
 
 
 def _probe_intra(d: Dims) -> tuple:
@@ -130,7 +132,8 @@ STAGES: tuple[CuteStage, ...] = (
     CuteStage("fwd", "fwd_scan", ("kda_cute_fwd",), _probe_fwd),
     CuteStage("b1", "fwd_h", ("kda_cute_b1",), _probe_b1),
     CuteStage("dhu", "bwd_dhu", ("kda_cute_dhu",), _probe_dhu),
-    CuteStage("bwd_wy_dqkg", "bwd_wy_dqkg", ("kda_cute_wy_dqkg",), _probe_wy_dqkg, module="wy_dqkg"),
+    CuteStage("bwd_wy_dqkg", "bwd_wy_dqkg", ("kda_cute_wy_dqkg",), _probe_wy_dqkg, flags=("want_dAqk",),
+              module="wy_dqkg"),
     CuteStage("intra", "bwd_intra", ("kda_cute_intra",), _probe_intra, flags=("fold_dg", "emit_bf16")),
 )
 BY_NAME: dict[str, CuteStage] = {s.name: s for s in STAGES}

@@ -10,6 +10,7 @@ row, h / dh the chunk's states, all sums over V in 64-wide tiles):
     dk   = dk' + dkb E beta              dg  = q dq - k dk' + k E dkb beta
                                               + [last row] (exp2(gn) sum_v h dh + sum_t k dk')
     dAkk = -(A^T bf16(bf16(strict(dA) beta_j) A^T)), strictly lower
+    dAqk = scale tril(do v_new^T), lower with the diagonal (want_dAqk: fla's chunk_kda_bwd_dAv dA)
 
 with fla's casts: every GEMM takes io-dtype (bf16 / fp16) operands into fp32 accumulators
 (mma.sync m16n8k16); dw, k E, the masked dA and the middle product of dAkk are rounded to the
@@ -17,33 +18,39 @@ io dtype before their GEMMs, as fla's `.to(b_A.dtype)`.
 
 CTA decomposition: one CTA per (chunk, hv, b), grid (T / 64, HV, B), 512 threads = 16 warps in
 a 4 (rows) x 4 (columns) grid of one tiled mma (64 x 64 x 16 per step), one CTA per SM (the
-accumulators dq, dk, dw [64 x 128] and dA [64 x 64] fp32 stay in registers: 56 per thread).
+accumulators dq, dk, dw [64 x 128] and dA [64 x 64] fp32 stay in registers: 56 per thread, 64
+with dAqk's [64 x 64]).
 The CTA owns the whole K and walks V in 64-wide tiles: per tile, do, v_new, dv, v (64 x 64) and
 h, dh (128 x 64) arrive by cp.async in a 2-stage ring (the next tile's loads fly under this
 tile's GEMMs); q, k, gk (for the epilogue) and Akk are loaded once, up front. Per tile:
 
     dq += do h^T    dk += v_new dh^T    dw += dv h^T    dA += dv v^T     (h's fragments shared)
+    [dAqk += do v_new^T]                                                  (do's fragments shared)
     dvb = A^T dv  -> dv2 stored, db partials;  sum_v h dh per key column (SIMT)
 
 dv2 leaves through an 8 KB smem staging tile (16-byte coalesced stores after the tile's barrier).
-Epilogue: dq out; dw and k E (io dtype) to smem; dA += dw (kE)^T, dkb = A^T dw (two more
-smem GEMMs); dk, dg out (the last row after a column reduction of k dk' across the 4 row warps);
-dA masked x beta_j to smem, X = dA A^T, Y = A^T X, dAkk = -Y strictly lower. The fp32 outputs
-leave from the C fragments as 8-byte column pairs (st.global.v2), every smem access of the
-epilogue is a pair or wider. ptxas 13.0: 128 registers (the 512-thread cap), 8-16 bytes spilled.
+Epilogue: [dAqk scaled, masked, out: its registers freed first]; dq out; dw and k E (io dtype) to
+smem; dA += dw (kE)^T, dkb = A^T dw (two more smem GEMMs); dk, dg out (the last row after a column
+reduction of k dk' across the 4 row warps); dA masked x beta_j to smem, X = dA A^T, Y = A^T X,
+dAkk = -Y strictly lower. The fp32 outputs leave from the C fragments as 8-byte column pairs
+(st.global.v2), every smem access of the epilogue is a pair or wider. ptxas 13.0: 128 registers
+(the 512-thread cap), 8-16 bytes spilled (want_dAqk: 44 at V = 256, none at V = 128; each spilled
+once per CTA, the V walk being unrolled).
 
 Layouts: global as fla (q, k [B, T, H, K]; v-like [B, T, HV, V]; gk and the K outputs [B, T, HV,
-K]; Akk / dAkk [B, T, HV, 64]; h, dh [B, NT, HV, K, V], K-major rows of V). smem tiles of 16-bit
-elements are 64-column rows with the 128-byte swizzle (Swizzle<3,3,3>), read by ldmatrix (.trans
-for the operands whose M / N mode is the contiguous one: A^T, dv^T, dw^T, X^T); gk fp32 rows
-padded to 136 floats. smem: 2 stages x 64 KB + Akk 8 + q, k 32 + gk 34 + dv2 staging 8 + tables
-4 = 214 KB; the epilogue's dw, k E, dA, X tiles (48 KB) reuse the ring.
+K]; Akk / dAkk / dAqk [B, T, HV, 64], row = token; h, dh [B, NT, HV, K, V], K-major rows of V).
+smem tiles of 16-bit elements are 64-column rows with the 128-byte swizzle (Swizzle<3,3,3>), read
+by ldmatrix (.trans for the operands whose M / N mode is the contiguous one: A^T, dv^T, dw^T,
+X^T); gk fp32 rows padded to 136 floats. smem: 2 stages x 64 KB + Akk 8 + q, k 32 + gk 34 + dv2
+staging 8 + tables 4 = 214 KB; the epilogue's dw, k E, dA, X tiles (48 KB) reuse the ring.
 
 Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16:
 
     read    q, k 1.074 GB, gk 1.074, v, v_new, do, dv 4.295, h, dh 4.295, Akk 0.268   11.01 GB
     write   dq, dk, dg 3.221 GB, dv2 1.074, dAkk 0.537, db 0.008                        4.84 GB
+            [want_dAqk: dAqk 0.537 GB                                                  5.38 GB]
     total   15.85 GB: 3.96 ms at 4.0 TB/s (fla's kernel takes 12.4 ms there)
+            [want_dAqk: 16.39 GB, 4.10 ms]
 
 Today (H200, 2026-12-01, bench/check_wy_dqkg.py, now check_stage.py): 4.619 ms vs fla's 12.558 at
 the reference shape (2.72x, 3.43 TB/s), 3.697 vs 10.210 at B16 T8192 H16 K=V=128 (2.76x), 0.278
@@ -52,7 +59,8 @@ vs 0.738 at B2 T4096 (2.65x); every output's error vs float64 equal to fla's
 
 Constraints: K = 128; V % 64 == 0; T % 64 == 0 (a ragged last chunk is refused); HV % H == 0;
 q, k, v, v_new, Akk, h, do, dh, dv one dtype (bf16 or fp16); beta bf16 / fp16 / fp32; gk fp32;
-contiguous, 16-byte aligned; no varlen, no state_v_first. `scale` is part of the compile key.
+contiguous, 16-byte aligned; no varlen, no state_v_first. `scale` and `want_dAqk` are part of the
+compile key.
 
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_wy_dqkg_compile.py, ptxsim.kda_wy)
 and on the H200 against float64 and fla (bench/check_stage.py, tests/gpu/test_chain_gpu.py).
@@ -81,7 +89,7 @@ _cache = CallCache("kda_cute_wy_dqkg")
 class KdaWyDqkg:
     """See the module docstring. io: the 16-bit operand dtype; beta_dtype: beta's."""
 
-    def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float):
+    def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_dAqk: bool):
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -89,6 +97,7 @@ class KdaWyDqkg:
         self.NV = V // BV
         self.gsize = gsize
         self.scale = float(scale)
+        self.want_dAqk = want_dAqk
 
 
 def _build_kernel_class():
@@ -132,13 +141,14 @@ def _build_kernel_class():
             mDb: cute.Tensor,  # [B, T, HV] f32
             mDg: cute.Tensor,  # [B, T, HV, K] f32
             mDA: cute.Tensor,  # [B, T, HV, BT] f32
+            mDAq: cute.Tensor,  # [B, T, HV, BT] f32 (dAkk's storage when not want_dAqk: never written)
             stream,
         ):
             B = cute.size(mG, mode=[0])
             T = cute.size(mG, mode=[1])
             HV = cute.size(mG, mode=[2])
             kernel = self.kda_cute_wy_dqkg(
-                mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA
+                mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA, mDAq
             )
             kernel.launch(grid=(T // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=1,
                           preferred_smem_carveout=100, stream=stream)
@@ -163,6 +173,7 @@ def _build_kernel_class():
             mDb: cute.Tensor,
             mDg: cute.Tensor,
             mDA: cute.Tensor,
+            mDAq: cute.Tensor,
         ):
             K = self.K
             NV = self.NV
@@ -194,6 +205,8 @@ def _build_kernel_class():
             gDk = cute.local_tile(mDk[b, None, hv, None], (BT, K), (t_idx, 0))
             gDg = cute.local_tile(mDg[b, None, hv, None], (BT, K), (t_idx, 0))
             gDA = cute.local_tile(mDA[b, None, hv, None], (BT, BT), (t_idx, 0))
+            if cutlass.const_expr(self.want_dAqk):
+                gDAq = cute.local_tile(_warp.gmem(mDAq)[b, None, hv, None], (BT, BT), (t_idx, 0))
 
             # ---------------- shared memory
             smem = cutlass.memory.SmemAllocator()
@@ -317,6 +330,9 @@ def _build_kernel_class():
             vAT = cpAt.retile(rAT)
             vH, vDh, vV = cpBn.retile(rH), cpBn.retile(rDh), cpBn.retile(rV)
             vDvT = cpBt.retile(rDvT)
+            if cutlass.const_expr(self.want_dAqk):  # v_new as the B operand (N = s, K = v) of do v_new^T
+                rVnB = thr.make_fragment_B(thr.partition_B(sVn[None, None, 0]))
+                vVnB = cpBn.retile(rVnB)
 
             acc_q = cute.make_rmem_tensor(thr.partition_shape_C((BT, K)), f32)
             acc_k = cute.make_rmem_tensor(thr.partition_shape_C((BT, K)), f32)
@@ -326,6 +342,9 @@ def _build_kernel_class():
             acc_k.fill(0.0)
             acc_w.fill(0.0)
             acc_a.fill(0.0)
+            if cutlass.const_expr(self.want_dAqk):
+                acc_aq = cute.make_rmem_tensor(thr.partition_shape_C((BT, BT)), f32)
+                acc_aq.fill(0.0)
             cC64 = thr.partition_C(cute.make_identity_tensor((BT, BT)))
             cCk = thr.partition_C(cute.make_identity_tensor((BT, K)))
             mn64 = _mn_view(cC64)
@@ -350,8 +369,13 @@ def _build_kernel_class():
                 pDh = cpBn.partition_S(sDh[None, None, st])
                 pV = cpBn.partition_S(sV[None, None, st])
                 pDvT = cpBt.partition_S(cute.composition(sDv[None, None, st], tr64))
+                if cutlass.const_expr(self.want_dAqk):
+                    pVnB = cpBn.partition_S(sVn[None, None, st])
                 for kb in cutlass.range_constexpr(BV // 16):
                     cute.copy(tcAn, pDo[None, None, kb], vDo[None, None, kb])
+                    if cutlass.const_expr(self.want_dAqk):  # do's fragment serves dAqk and dq
+                        cute.copy(tcBn, pVnB[None, None, kb], vVnB[None, None, kb])
+                        cute.gemm(tiled_mma, acc_aq, rDo[None, None, kb], rVnB[None, None, kb], acc_aq)
                     cute.copy(tcBn, pH[None, None, kb], vH[None, None, kb])
                     cute.gemm(tiled_mma, acc_q, rDo[None, None, kb], rH[None, None, kb], acc_q)
                     cute.copy(tcAn, pDv[None, None, kb], vDv[None, None, kb])
@@ -400,6 +424,17 @@ def _build_kernel_class():
                 cute.copy(st_io, rOst, tOg[None, None, None, iv])
 
             # ---------------- epilogue
+            # dAqk = scale tril(do v_new^T) out first: its 8 floats are free for the rest
+            if cutlass.const_expr(self.want_dAqk):
+                maq = _mn_view(acc_aq)
+                for r in cutlass.range_constexpr(cute.size(maq, mode=[0])):
+                    for c in cutlass.range_constexpr(cute.size(maq, mode=[1])):
+                        i, j = mn64[r, c]
+                        y = f32(0.0)
+                        if i >= j:
+                            y = maq[r, c] * self.scale
+                        maq[r, c] = y
+                cute.copy(st_c, tsc.retile(acc_aq), tsc.partition_D(gDAq))
             cute.arch.cp_async_wait_group(0)
             hd = hd + cute.arch.shuffle_sync_bfly(hd, offset=1)
             hd = hd + cute.arch.shuffle_sync_bfly(hd, offset=2)
@@ -590,7 +625,7 @@ def _hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv) -> str | None:
         _NAMES, (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv))
 
 
-def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale) -> str | None:
+def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, want_dAqk=False) -> str | None:
     """None when `bwd_wy_dqkg` runs the CuTe kernel on these arguments, else the reason it would not."""
     return _hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
 
@@ -607,18 +642,20 @@ class WyDqkgConfig:
     H: int
     HV: int
     scale: float
+    want_dAqk: bool
     arch: str
 
 
-def _config(q, v, beta, scale) -> WyDqkgConfig:
+def _config(q, v, beta, scale, want_dAqk) -> WyDqkgConfig:
     return WyDqkgConfig(DT[q.dtype], DT[beta.dtype], q.shape[3], v.shape[3], q.shape[2], v.shape[2],
-                        float(scale), compile_arch())
+                        float(scale), bool(want_dAqk), compile_arch())
 
 
-def _outputs(q, v, device):
+def _outputs(q, v, want_dAqk, device):
+    """dq, dk, dv2, db, dg, dAkk, then dAqk with want_dAqk: fresh."""
     B, T, HV, V = v.shape
     K = q.shape[3]
-    return (
+    outs = (
         alloc((B, T, HV, K), torch.float32, device),  # dq
         alloc((B, T, HV, K), torch.float32, device),  # dk
         alloc((B, T, HV, V), v.dtype, device),  # dv2
@@ -626,39 +663,48 @@ def _outputs(q, v, device):
         alloc((B, T, HV, K), torch.float32, device),  # dg
         alloc((B, T, HV, BT), torch.float32, device),  # dAkk
     )
+    if want_dAqk:
+        outs += (alloc((B, T, HV, BT), torch.float32, device),)  # dAqk
+    return outs
 
 
-# kernel argument order: the eleven inputs, then dq, dk, dv2, db, dg, dAkk (the contract returns
-# dq, dk, dv, db, dg, dAkk: the same order)
+def _kernel_args(inputs, outs):
+    """The kernel's eighteen tensors: the eleven inputs, dq, dk, dv2, db, dg, dAkk (the contract's
+    order), dAqk; without want_dAqk dAkk's storage (outs[-1]) stands in for dAqk (never written)."""
+    return (*inputs, *outs[:6], outs[-1])
+
+
 def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
     import cutlass.cute as cute
 
     kern = _kernel_class()(
-        cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale
+        cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
+        cfg.want_dAqk,
     )
     return cute.compile(kern, *views, stream, options=options)
 
 
-def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, keep_ptx=False):
+def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, want_dAqk=False, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
-    cfg = _config(q, v, beta, scale)
-    args = (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, *_outputs(q, v, device=q.device))
+    cfg = _config(q, v, beta, scale, want_dAqk)
+    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), _outputs(q, v, want_dAqk, q.device))
     return _warp.compile_only(lambda views, stream, opts: _build(views, stream, cfg, opts), args, keep_ptx)
 
 
-def bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale):
-    """fla's chunk_kda_bwd_wy_dqkg_fused (chunk 64) -> (dq, dk, dv2, db, dg, dAkk), fresh outputs."""
+def bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, want_dAqk=False):
+    """fla's chunk_kda_bwd_wy_dqkg_fused (chunk 64) -> (dq, dk, dv2, db, dg, dAkk), and with
+    want_dAqk also chunk_kda_bwd_dAv's dA (fp32) as a seventh output; fresh outputs."""
     reason = _hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
     if reason is not None:
         raise ValueError(f"kda_cute.wy_dqkg.bwd_wy_dqkg: unsupported call: {reason}")
-    return launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale)
+    return launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, want_dAqk)
 
 
-def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale):
+def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, want_dAqk=False):
     """`bwd_wy_dqkg` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    outs = _outputs(q, v, q.device)
-    args = (q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, *outs)
-    cfg = _config(q, v, beta, scale)
+    outs = _outputs(q, v, want_dAqk, q.device)
+    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs)
+    cfg = _config(q, v, beta, scale, want_dAqk)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _build(views, stream, cfg, opts))
     return outs

@@ -7,7 +7,7 @@ NaN-poisoned outputs in an emulated global memory, every CTA of the grid, and th
 back. Each `emulate_*` compiles the kernel through `kda_cute.<stage>.compile_for(...)` (sm_90a:
 set CUTE_DSL_ARCH) and interprets its PTX; kda_cute is imported inside the functions, so
 `import ptxsim.kda` needs no CuTe DSL. Also the inputs the PTX tests and bench/cpu_emulate.py
-share (`scan_inputs`, `q_and_aqk`, `do_dv`).
+share (`scan_inputs`, `q_and_aqk`, `upstream_do`).
 
 The scans' checks, as the interpreter runs them, are of logic (indices, buffers, barrier phases,
 the accumulator-to-A view, the waits), with operand reads as late as the hardware may make them
@@ -184,9 +184,9 @@ def emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None, h0=None):
     return (o, readback(gmem, ht, bt)) if state else o
 
 
-def emulate_dhu(qg, kg, w, gk, do, dv, scale, stages, nwg, mod=None, dht=None):
-    """dhu: tensor maps kg, qg, w, do, dv, (in the register-A form: gk's last row,) then the dh
-    and dv2 stores. Returns (dh, dv2), and dh0 when `dht` is given (then an h0 is passed too, so
+def emulate_dhu(qg, kg, w, gk, do, Aqk, scale, stages, nwg, mod=None, dht=None):
+    """dhu (the fused form: dv = tril(Aqk)^T do inside): tensor maps kg, qg, w, Aqk, do, then the
+    dh and dv2 stores. Returns (dh, dv2), and dh0 when `dht` is given (then an h0 is passed too, so
     dh0 is written; B = 1 only: the state params' batch fields are not modelled)."""
     if mod is None:
         from kda_cute import dhu as mod
@@ -196,25 +196,24 @@ def emulate_dhu(qg, kg, w, gk, do, dv, scale, stages, nwg, mod=None, dht=None):
     state = dht is not None
     assert not state or B == 1
     h0 = torch.zeros(B, HV, K, V) if state else None
-    text = ptx_text(mod.compile_for(qg, kg, w, gk, h0, dht, do, dv, scale, stages=stages, warpgroups=nwg))
+    text = ptx_text(mod.compile_for(qg, kg, w, gk, h0, dht, do, None, scale, Aqk, stages=stages,
+                                    warpgroups=nwg))
     assert text, "no PTX on the compiled object"
     prog = named_barriers(InlineAsmProgram(text))
     dh = torch.full((B, NT, HV, K, V), float("nan"), dtype=do.dtype)
-    dv2 = torch.full_like(dv, float("nan"))
+    dv2 = torch.full_like(do, float("nan"))
     dh0 = torch.full((B, HV, K, V), float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
-    gmem, (bq, bkg, bw, bg, bdo, bdv, bd, bh, bv, bt, b0) = global_memory(
-        [qg, kg, w, gk, do, dv, dummy, dh, dv2, dht if state else dummy, dh0])
+    gmem, (bq, bkg, bw, bg, bdo, ba, bd, bh, bv, bt, b0) = global_memory(
+        [qg, kg, w, gk, do, Aqk, dummy, dh, dv2, dht if state else dummy, dh0])
     tmas = {
         param_address(0): token_map(bkg, kg, 64),
         param_address(2): token_map(bq, qg, 64),
         param_address(4): token_map(bw, w, 64),
-        param_address(6): token_map(bdo, do, 64),
-        param_address(8): token_map(bdv, dv, 64),
+        param_address(6): token_map(ba, Aqk, 64),
+        param_address(8): token_map(bdo, do, 64),
     }
     n_maps = sum(1 for _, size in prog.params if size == "128")
-    if n_maps == 8:  # register-A form
-        tmas[param_address(10)] = token_map(bg, gk, 128, swizzle=0, rows=1)
     tmas[param_address(2 * n_maps - 4)] = state_map(bh, dh)
     tmas[param_address(2 * n_maps - 2)] = token_map(bv, dv2, 64)
     params = state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd)  # then dht, dh0: bare pointers
@@ -252,9 +251,7 @@ def q_and_aqk(B, T, HV, gk, seed=1):
     return q, qg, Aqk
 
 
-def do_dv(B, T, HV, V, g):
-    """dhu's upstream gradients do, dv (bf16, [B, T, HV, V]) from generator g."""
-    do = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
-    dv = torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
-    return do, dv
+def upstream_do(B, T, HV, V, g):
+    """dhu's upstream gradient do (bf16, [B, T, HV, V]) from generator g."""
+    return torch.randn(B, T, HV, V, generator=g).to(torch.bfloat16)
 

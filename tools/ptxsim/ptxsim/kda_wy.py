@@ -2,9 +2,11 @@
 
 `emulate_wy_dqkg(text, args)` runs the kernel's PTX `text` on every CTA of its grid (T / 64, HV,
 B), 512 threads each, through `ext_wy.WyCTA` (mma.sync m16n8k16, ldmatrix, cp.async), over one
-emulated global memory holding the eleven inputs and the six outputs, NaN-poisoned first; it
-returns dq, dk, dv2, db, dg, dAkk read back. Each tensor parameter is the DSL's 24-byte slot:
-data pointer, the dynamic (B, T) (or (B, NT) for h / dh) as two int32, the batch stride.
+emulated global memory holding the eleven inputs and the seven output slots, NaN-poisoned first;
+it returns dq, dk, dv2, db, dg, dAkk (and dAqk with `want_dAqk`) read back, and without
+`want_dAqk` asserts the dAqk slot (a poisoned buffer of its own here) stayed unwritten. Each
+tensor parameter is the DSL's 24-byte slot: data pointer, the dynamic (B, T) (or (B, NT) for h /
+dh) as two int32, the batch stride.
 `wy_inputs(...)` makes random inputs of the contract's shapes and dtypes (never zeros: gates a
 chunk-local log2 cumsum of negative steps, Akk unit lower triangular plus noise as the WY
 inverse is, beta in (0, 1)). kda_cute is imported inside the functions only.
@@ -18,21 +20,29 @@ from .launch import run_grid
 THREADS = 512
 
 
-def emulate_wy_dqkg(text, args, ctas=None):
+def emulate_wy_dqkg(text, args, ctas=None, want_dAqk=False):
     """Run kda_cute_wy_dqkg's PTX on CPU for `args` = (q, k, v, v_new, gk, beta, Akk, h, do, dh,
-    dv): returns (dq, dk, dv2, db, dg, dAkk). `ctas`: the (chunk, hv, b) CTAs to run (default
-    every one of the grid); the other chunks' outputs stay NaN."""
+    dv): returns (dq, dk, dv2, db, dg, dAkk), and dAqk with `want_dAqk` (the PTX compiled with
+    it). `ctas`: the (chunk, hv, b) CTAs to run (default every one of the grid); the other
+    chunks' outputs stay NaN."""
     from kda_cute import wy_dqkg
 
     q, v = args[0], args[2]
     B, T, HV, _ = v.shape
     prog = wy_program(text)
-    outs = wy_dqkg._outputs(q, v, "cpu")
+    outs = wy_dqkg._outputs(q, v, want_dAqk, "cpu")
     for t in outs:
         t.fill_(float("nan"))
     if ctas is None:
         ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
-    return run_grid(prog, [*args, *outs], ctas, WyCTA, THREADS)[len(args):]
+    tensors = list(wy_dqkg._kernel_args(args, outs))
+    if not want_dAqk:  # the launch passes dAkk's storage there; here a poisoned buffer of its own
+        tensors[-1] = torch.full_like(outs[5], float("nan"))
+    got = run_grid(prog, tensors, ctas, WyCTA, THREADS)[len(args):]
+    if not want_dAqk:
+        assert torch.isnan(got[-1]).all(), "dAqk's slot written without want_dAqk"
+        return got[:6]
+    return got
 
 
 def wy_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtype=None, gmin=-0.3, seed=0):

@@ -133,7 +133,7 @@ def chunk_kda_reference_bwd(
     w, u, qg, kg = recompute_w_u(s.q, s.k, s.v, s.beta, s.Akk, gk)
     h, v_new, _ = fwd_h(kg, w, u, gk, s.initial_state, False, BT)
     dAqk, dv = bwd_dAv(v_new, do, s.Aqk, s.scale)
-    dh, dh0, dv = bwd_dhu(qg, kg, w, gk, s.initial_state, dht, do, dv, s.scale, BT)
+    dh, dh0, dv = bwd_dhu(qg, kg, w, gk, s.initial_state, dht, do, dv, s.scale, chunk_size=BT)
     dq, dk, dv, db, dg, dAkk = bwd_wy_dqkg(s.q, s.k, s.v, v_new, gk, s.beta, s.Akk, h, do, dh, dv, s.scale)
     dq, dk, db, dg = bwd_intra(s.q, s.k, gk, s.beta, dAqk, dAkk, dq, dk, db, dg)
     dq, dk = gva_sum(dq, H), gva_sum(dk, H)

@@ -444,34 +444,40 @@ def bwd_dhu(
     h0: torch.Tensor | None,
     dht: torch.Tensor | None,
     do: torch.Tensor,
-    dv: torch.Tensor,
+    dv: torch.Tensor | None,
     scale: float,
+    Aqk: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The reverse state scan (fla: chunk_gated_delta_rule_bwd_dhu with gk).
 
     dS = dht (or 0); for c from last to first: dh[:, c] = dS; dv2_c = kg_c dS + dv_c;
     dS <- exp2(gk_last) * dS + scale qg_c^T do_c - w_c^T dv2_c. dh0 = final dS.
-    Returns dh [B,NT,HV,K,V] in qg.dtype, dh0 [B,HV,K,V] float32 (None when h0 is None),
-    dv2 [B,T,HV,V] in dv.dtype (the total gradient of v_new)."""
+    With Aqk (the fused form, kda_cute_dhu's): dv_c = tril(Aqk_c)^T do_c (bwd_dAv's dv, computed
+    here; plus the given dv if any). Returns dh [B,NT,HV,K,V] in qg.dtype, dh0 [B,HV,K,V] float32
+    (None when h0 is None), dv2 [B,T,HV,V] in dv.dtype, do's without dv (the total gradient of
+    v_new)."""
     B, T, HV, K = qg.shape
     V, BT = do.shape[-1], chunk_size
-    dt = compute_dtype(qg, kg, w, gk, h0, dht, do, dv)
+    dt = compute_dtype(qg, kg, w, gk, h0, dht, do, dv, Aqk)
     qgc, kgc, wc = (_to_chunks(x, BT, dt) for x in (qg, kg, w))
     Gc = _to_chunks(gk, BT, dt, edge=True)
-    doc, dvc = _to_chunks(do, BT, dt), _to_chunks(dv, BT, dt)
+    doc = _to_chunks(do, BT, dt)
+    dvc = 0 if dv is None else _to_chunks(dv, BT, dt)
+    if Aqk is not None:
+        dvc = dvc + _to_chunks(Aqk, BT, dt).tril().transpose(-1, -2) @ doc
     dS = qg.new_zeros(B, HV, K, V, dtype=dt)
     if dht is not None:
         dS = dS + dht.to(dt)
     dhs, dv2s = [], []
-    for c in reversed(range(dvc.shape[1])):
+    for c in reversed(range(doc.shape[1])):
         dhs.append(dS)
         dv2 = kgc[:, c] @ dS + dvc[:, c]
         dv2s.append(dv2)
         dS = (torch.exp2(Gc[:, c, :, -1, :]).unsqueeze(-1) * dS
               + scale * qgc[:, c].transpose(-1, -2) @ doc[:, c] - wc[:, c].transpose(-1, -2) @ dv2)
     dh = torch.stack(dhs[::-1], 1).to(qg.dtype)
-    dv2 = _from_chunks(torch.stack(dv2s[::-1], 1), T, dv.dtype)
+    dv2 = _from_chunks(torch.stack(dv2s[::-1], 1), T, (do if dv is None else dv).dtype)
     return dh, (dS if h0 is not None else None), dv2
 
 
@@ -488,9 +494,12 @@ def bwd_wy_dqkg(
     dh: torch.Tensor,
     dv: torch.Tensor,
     scale: float,
+    want_dAqk: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients through the inter-chunk terms and the WY representation
-    (fla: chunk_kda_bwd_wy_dqkg_fused). dv is dhu's dv2, the total gradient of v_new.
+    (fla: chunk_kda_bwd_wy_dqkg_fused). dv is dhu's dv2, the total gradient of v_new. With
+    want_dAqk also bwd_dAv's dAqk = scale tril(do v_new^T) (kda_cute_wy_dqkg's fused form: the
+    kernel holds do and v_new already), as a seventh output.
 
     Per chunk, with E = exp2(gk), gn = gk at the chunk's last real row, A = Akk:
       dq   = scale (do h^T) E                        (through o's inter term qg h)
@@ -532,8 +541,11 @@ def bwd_wy_dqkg(
     dk = dkp + dkb * E * bc
     strict = _tri(BT, q.device, strict=True) & valid.unsqueeze(-1) & valid.unsqueeze(-2)
     dAkk = -(AT @ (dA * strict) @ AT) * strict
-    return (_from_chunks(dq, T, dt), _from_chunks(dk, T, dt), _from_chunks(dvb * bc, T, v.dtype),
+    outs = (_from_chunks(dq, T, dt), _from_chunks(dk, T, dt), _from_chunks(dvb * bc, T, v.dtype),
             _from_chunks(db, T, dt), _from_chunks(dg, T, dt), _from_chunks(dAkk, T, dt))
+    if want_dAqk:
+        outs += (_from_chunks(scale * (doc @ vnc.transpose(-1, -2)).tril(), T, dt),)
+    return outs
 
 
 def bwd_intra(
