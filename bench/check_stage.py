@@ -73,7 +73,8 @@ def _lower(x):
     """x [B, T, HV, 64] with each chunk's entries above the diagonal zeroed."""
     B, T, HV, BT = x.shape
     row = torch.arange(T, device=x.device) % BT
-    return x * (torch.arange(BT, device=x.device)[None, :] <= row[:, None]).to(x.dtype)[None, :, None, :]
+    keep = (torch.arange(BT, device=x.device)[None, :] <= row[:, None])[None, :, None, :]
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))  # NaN there too
 
 
 def ours_fla(stage, calls):
