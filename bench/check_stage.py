@@ -2,7 +2,7 @@
 arguments of a chain call:
 
     bwd_wy_dqkg   kda_cute.wy_dqkg (kernel kda_cute_wy_dqkg) vs chunk_kda_bwd_wy_dqkg_fused
-    fwd_intra     kda_cute.prep (kernel kda_cute_prep) vs chunk_kda_fwd_intra
+    fwd_prep      kda_cute.prep (kernel kda_cute_prep) vs kda_gate_chunk_cumsum + chunk_kda_fwd_intra
 
 Per shape: one fwd+bwd of kda_chain.chunk_kda (gate + l2norm in the op; A_log up to log 16, so
 gates reach ~-10 per step) runs under `kda_chain.stages.capture()`; the stage's arguments are
@@ -12,7 +12,7 @@ within 2x fla's relative error (+1e-6), and bitwise equal on a second call. fla 
 upper triangle unwritten (its consumers mask it): Aqk is compared on and below the diagonal.
 Timing: CUDA events, median (bench/cuda_clock), ours and fla in one run.
 
-    python bench/check_stage.py --stage fwd_intra [--no-time] [--quick]
+    python bench/check_stage.py --stage fwd_prep [--no-time] [--quick]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ CHECKS = {
     # with want_dAqk, as the chain calls it: fla's side is its wy_dqkg + its bwd_dAv's dAqk
     "bwd_wy_dqkg": StageCheck("wy_dqkg", "bwd_wy_dqkg", "_fla_bwd_wy_dqkg",
                               ("dq", "dk", "dv2", "db", "dg", "dAkk", "dAqk"), (("want_dAqk", True),)),
-    "fwd_intra": StageCheck("prep", "fwd_intra", "_fla_fwd_intra", ("w", "u", "qg", "kg", "Aqk", "Akk")),
+    "fwd_prep": StageCheck("prep", "fwd_prep", "_fla_fwd_prep", ("gk", "w", "u", "qg", "kg", "Aqk", "Akk")),
 }
 
 
@@ -107,7 +107,8 @@ def check(stage, name, calls) -> bool:
     finally:
         mod.alloc = orig
     fla = run_fla()
-    b0 = [a[:1].double() if isinstance(a, torch.Tensor) else a for a in args]
+    # batch 0 of the [B, T, ...] tensors (A_log, dt_bias are per head: whole)
+    b0 = [(a[:1] if a.dim() >= 3 else a).double() if isinstance(a, torch.Tensor) else a for a in args]
     want = getattr(ref, c.contract)(*b0, **dict(c.flags))
     ok = True
     cells = []

@@ -8,7 +8,8 @@ ncu does not count), so each ncu result is one kernel. `--stage` picks a subset;
 launches fla's kernels for the same stages (filter them in with ncu's -k); `--no-h0` drops the
 scans' initial and final state. `--stage chain` is one fwd+bwd of the chain (gate + l2norm in
 the op), which launches every CuTe kernel once, kda_cute_prep and kda_cute_wy_dqkg included (with
-`--fla`, fla's fwd_intra and wy_dqkg then run once on that call's captured arguments).
+`--fla`, fla's fwd_prep (gate cumsum + fwd_intra) and wy_dqkg then run once on that call's captured
+arguments).
 `bash bench/gpu_suite.sh ncu` runs it under ncu (NCU_STAGE, NCU_K: e.g. chain, kda_cute_prep).
 """
 
@@ -49,7 +50,7 @@ def main():
     if "chain" in stages:
         calls = cst.chain_calls(B, T, H, HV, 256)  # every CuTe kernel once
         if a.fla:
-            for st in ("fwd_intra", "bwd_wy_dqkg"):
+            for st in ("fwd_prep", "bwd_wy_dqkg"):
                 cst.ours_fla(st, calls)[1]()
         del calls
     torch.cuda.synchronize()

@@ -2,8 +2,9 @@
 
     l2norm_fwd (q, k)          only with use_qk_l2norm_in_kernel
     beta_sigmoid_fwd           only with use_beta_sigmoid_in_kernel (x2 with allow_neg_eigval)
-    gate_chunk_cumsum          the gate (in kernel, or the given log-gate) -> gk, log2 chunk cumsum
-    fwd_intra                  w, u, qg, kg, Aqk, Akk per chunk; qg (q * exp2(gk), what
+    fwd_prep                   kda_cute_prep: the gate (in kernel, or the given log-gate) -> gk, its
+                               log2 chunk cumsum, and w, u, qg, kg, Aqk, Akk per chunk (fla:
+                               kda_gate_chunk_cumsum + chunk_kda_fwd_intra); qg (q * exp2(gk), what
                                kda_cute_fwd reads instead of q) only when that kernel could run
                                (`stages.cute_planned("fwd", ...)`), else None
     fwd                        kda_cute_fwd: the state scan fused with the readout -> o, ht
@@ -66,9 +67,9 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags):
     beta_raw = beta
     if f.use_beta_sigmoid_in_kernel:
         beta = S.beta_sigmoid_fwd(beta_raw, f.beta_scale)
-    gk = S.gate_chunk_cumsum(g, A_log, dt_bias, f.lower_bound, f.chunk_size, f.use_gate_in_kernel)
     want_qg = S.cute_planned("fwd", q, v, initial_state)
-    w, u, qg, kg, Aqk, Akk = S.fwd_intra(q, k, v, gk, beta, f.scale, f.chunk_size, want_qg)
+    gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep(q, k, v, g, beta, A_log, dt_bias, f.lower_bound,
+                                            f.use_gate_in_kernel, f.scale, f.chunk_size, want_qg)
     o, ht = S.fwd(q, qg, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale)
     saved = Saved(q, q_rstd, k, k_rstd, v, None if f.use_gate_in_kernel else gk, g, beta_raw, beta,
                   A_log, dt_bias, Aqk, Akk, initial_state)

@@ -173,7 +173,7 @@ def cute_impl(rec: CuteStage) -> Impl:
 def cute_planned(stage: str, *args, **kwargs) -> bool:
     """Could the CuTe kernel of `stage` take a chain call with these inputs? Asked before the
     stage's own inputs exist, to decide whether an earlier stage computes something only that
-    kernel reads (fwd: qg from fwd_intra). False when forced to fla (KDA_FORCE_FLA), when the
+    kernel reads (fwd: qg from fwd_prep). False when forced to fla (KDA_FORCE_FLA), when the
     module is absent, or when its `plan_reason(*args, **kwargs)` gives a reason."""
     if forced_fla(stage):
         return False
@@ -288,6 +288,12 @@ def _fla_fwd_scan(q, qg, kg, w, u, gk, Aqk, initial_state, output_final_state, s
     return _fla_fwd_o(q, v_new, gk, Aqk, h, scale), ht
 
 
+def _fla_fwd_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size,
+                  want_qg=False):
+    gk = _fla_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
+    return (gk, *_fla_fwd_intra(q, k, v, gk, beta, scale, chunk_size, want_qg))
+
+
 def _fla_recompute_w_u(q, k, v, beta, Akk, gk):
     f = _fla("fla.ops.kda.wy_fast", "recompute_w_u_fwd")
     return f(q=q, k=k, v=v, beta=beta, A=Akk, gk=gk)
@@ -370,7 +376,7 @@ def _two(name: str, fla_fn: Callable) -> Stage:
 
 
 # fla's function for every CuTe stage of kda_cute.registry (the per-stage fallback)
-_FLA_OF_CUTE = {"fwd_intra": _fla_fwd_intra, "fwd": _fla_fwd_scan, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu,
+_FLA_OF_CUTE = {"fwd_prep": _fla_fwd_prep, "fwd": _fla_fwd_scan, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu,
                 "bwd_wy_dqkg": _fla_bwd_wy_dqkg,
                 "intra": _fla_bwd_intra}
 # The stages with a CuTe kernel, one per registry record: kda_cute.<name>, then fla, then the reference.
@@ -383,7 +389,7 @@ CUTE_STAGES = {
 kda_witness.register_kernels(registry.kernel_stages())
 
 gate_chunk_cumsum = _two("gate_chunk_cumsum", _fla_gate_chunk_cumsum)
-fwd_intra = CUTE_STAGES["fwd_intra"]
+fwd_prep = CUTE_STAGES["fwd_prep"]
 fwd = CUTE_STAGES["fwd"]
 recompute_w_u = _two("recompute_w_u", _fla_recompute_w_u)
 b1 = CUTE_STAGES["b1"]
@@ -402,6 +408,6 @@ gate_bwd = _two("gate_bwd", _fla_gate_bwd)
 
 STAGES = {
     s.name: s
-    for s in (gate_chunk_cumsum, fwd_intra, fwd, recompute_w_u, b1, bwd_dAv, dhu, bwd_wy_dqkg, intra,
+    for s in (gate_chunk_cumsum, fwd_prep, fwd, recompute_w_u, b1, bwd_dAv, dhu, bwd_wy_dqkg, intra,
               dg_cumsum, gva_sum, l2norm_fwd, l2norm_bwd, beta_sigmoid_fwd, beta_sigmoid_bwd, gate_bwd)
 }

@@ -95,8 +95,8 @@ def test_force_fla_env_is_read_per_call(monkeypatch):
     assert "forced" not in reason
 
 
-def test_fwd_intra_computes_qg_only_when_the_cute_fwd_is_planned(monkeypatch):
-    """fwd_intra is asked for qg (kda_cute_fwd's input) only when fwd.plan_reason accepts the
+def test_fwd_prep_computes_qg_only_when_the_cute_fwd_is_planned(monkeypatch):
+    """fwd_prep is asked for qg (kda_cute_fwd's input) only when fwd.plan_reason accepts the
     inputs and KDA_FORCE_FLA does not name fwd; the result is the same either way."""
     import kda_cute.fwd as F
     from kda_chain.stages import capture, cute_planned
@@ -107,7 +107,7 @@ def test_fwd_intra_computes_qg_only_when_the_cute_fwd_is_planned(monkeypatch):
         with capture() as calls:
             o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"])
         args = dict((name, a) for name, a, _ in calls)
-        return o.detach(), args["fwd_intra"][7], args["fwd"][1]
+        return o.detach(), args["fwd_prep"][11], args["fwd"][1]
 
     o0, want0, qg0 = run()  # CPU: no device, no qg
     assert (want0, qg0) == (False, None)

@@ -3,10 +3,11 @@ is_supported gives reasons (CPU, CI).
 
 The compiled PTX runs on CPU in ptxsim (tools/ptxsim: `ptxsim.kda_prep.emulate_prep`, 256
 threads per CTA: tf32 and bf16 / fp16 mma.sync, ldmatrix, cp.async) and every output is checked
-against the float64 reference (`kda_cute.reference.fwd_intra`). The yardstick is fla's own
-error: `_fla_casts` is fla's chunk_kda_fwd_intra in torch float32 with its roundings (Aqk and
-Akk stored in the io dtype, w / u from the io-dtype Akk and io-dtype operands, qg / kg rounded
-once); every output must stay within 2x of that error."""
+against the float64 reference (`kda_cute.reference.fwd_prep`: gate_chunk_cumsum + fwd_intra). The
+yardstick is fla's own error: `_fla_casts` is fla's kda_gate_chunk_cumsum + chunk_kda_fwd_intra in
+torch float32 with its roundings (gk in fp32, Aqk and Akk stored in the io dtype, w / u from the
+io-dtype Akk and io-dtype operands, qg / kg rounded once); every output must stay within 2x of that
+error."""
 
 import pytest
 import torch
@@ -18,12 +19,13 @@ from ptxsim.kda_prep import emulate_prep, prep_inputs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("sm90a")
 
-NAMES = ("w", "u", "qg", "kg", "Aqk", "Akk")
+NAMES = ("gk", "w", "u", "qg", "kg", "Aqk", "Akk")
 SCALE = 128**-0.5
 
 
-def _fla_casts(q, k, v, gk, beta, scale):
-    """fla 0.6.0's chunk_kda_fwd_intra in torch float32 with its roundings; T % 64 == 0."""
+def _fla_casts(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in, scale):
+    """fla 0.6.0's gate cumsum + chunk_kda_fwd_intra in torch float32 with its roundings; T % 64 == 0."""
+    gk = ref.gate_chunk_cumsum(g.float(), A_log, dt_bias, lower_bound, 64, gate_in)
     io = q.dtype
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -52,13 +54,13 @@ def _fla_casts(q, k, v, gk, beta, scale):
     u = rd(akk) @ rd(vc * bc)
     qg = qc * E
     kg = kc * torch.exp2(gc[..., -1:, :] - gc)
-    return un(w), un(u), un(qg), un(kg), un(aqk), un(akk)
+    return gk, un(w), un(u), un(qg), un(kg), un(aqk), un(akk)
 
 
 def _check(got, args, scale, rows=None):
     """Every output finite (the poison overwritten), zero above the diagonal for Aqk / Akk, and
     within 2x of fla's error vs float64 (on the chunks `rows` = [(b, t0, hv)] only, when given)."""
-    want = ref.fwd_intra(*[t.double() for t in args], scale, 64, want_qg=True)
+    want = ref.fwd_prep(*[t.double() if torch.is_tensor(t) else t for t in args], scale, 64, want_qg=True)
     fla = _fla_casts(*args, scale)
 
     def sel(x):
@@ -105,8 +107,8 @@ def test_gva_batch_and_chunk_indexing_without_qg(ptx):
     a = prep_inputs(B=2, T=128, H=1, HV=2, V=64, seed=1)
     text = ptx(P.compile_for(*a, SCALE, want_qg=False, keep_ptx=True))
     got = emulate_prep(text, a, want_qg=False, ctas=[(1, 1, 1)])
-    assert torch.isnan(got[2].float()).all(), "qg written without want_qg"
-    _check((*got[:2], None, *got[3:]), a, SCALE, rows=[(1, 64, 1)])
+    assert torch.isnan(got[3].float()).all(), "qg written without want_qg"
+    _check((*got[:3], None, *got[4:]), a, SCALE, rows=[(1, 64, 1)])
 
 
 def test_fp16_fp32_beta_strong_gate(ptx):
@@ -138,9 +140,28 @@ def test_unsupported_call_raises():
     a = prep_inputs(K=64)
     assert "K=64" in P.is_supported(*a, SCALE)
     with pytest.raises(ValueError, match="unsupported call: K=64"):
-        P.fwd_intra(*a, SCALE)
+        P.fwd_prep(*a, SCALE)
 
 
 def test_chunk_size_other_than_64_is_refused():
     a = prep_inputs()
     assert "chunk_size=32" in P.is_supported(*a, SCALE, chunk_size=32)
+
+
+def test_gate_in_kernel_needs_its_parameters():
+    q, k, v, g, beta, A_log, dt_bias, lb, gate_in = prep_inputs(HV=2, gate="softplus")
+    assert "needs A_log of 2 elements" in P._hard_reason(q, k, v, g, beta, None, dt_bias, gate_in, 64)
+    assert "dt_bias must have HV*K=256" in P._hard_reason(q, k, v, g, beta, A_log, dt_bias[:8], gate_in, 64)
+    assert "gk must be float32 / bfloat16 / float16" in P._hard_reason(q, k, v, g.double(), beta, A_log,
+                                                                        dt_bias, gate_in, 64)
+
+
+@pytest.mark.parametrize("gate, g_dtype", [("softplus", torch.bfloat16), ("lower_bound", torch.float32)])
+def test_gate_in_kernel(ptx, gate, g_dtype):
+    """use_gate_in_kernel: the kernel computes fla's gate from the raw g (-exp(A_log) softplus(g +
+    dt_bias), or lower_bound sigmoid(exp(A_log) (g + dt_bias))) and its chunk-local cumsum; HV = 2
+    with A_log = log 1, log 16 (strong gates on the second head: ~-16 per step), bf16 and fp32 g.
+    gk and every other output within 2x of fla's error (its gate in fp32, then the cumsum)."""
+    a = prep_inputs(B=1, T=64, H=1, HV=2, V=64, seed=6, gate=gate, g_dtype=g_dtype, gmin=-5.0)
+    text = ptx(P.compile_for(*a, SCALE, want_qg=True, keep_ptx=True))
+    _check(emulate_prep(text, a, want_qg=True), a, SCALE)

@@ -51,16 +51,16 @@ def extent_reason(q, k, v, gk, beta, supported_k) -> str | None:
     return None
 
 
-def dtype_reason(q, same, gk, beta) -> str | None:
-    """q in bf16 / fp16, the `same` ((name, tensor), ...) in q's dtype, gk fp32, beta bf16 / fp16 /
-    fp32; or the first reason not."""
+def dtype_reason(q, same, gk, beta, gk_dtypes=(torch.float32,)) -> str | None:
+    """q in bf16 / fp16, the `same` ((name, tensor), ...) in q's dtype, gk (prep: the raw gate g)
+    in gk_dtypes, beta bf16 / fp16 / fp32; or the first reason not."""
     if q.dtype not in IO:
         return f"q dtype {q.dtype} (bf16 or fp16 expected)"
     for name, t in same:
         if t.dtype != q.dtype:
             return f"{name} dtype {t.dtype} != q's {q.dtype}"
-    if gk.dtype != torch.float32:
-        return f"gk must be float32; got {gk.dtype}"
+    if gk.dtype not in gk_dtypes:
+        return f"gk must be {' / '.join(str(d).removeprefix('torch.') for d in gk_dtypes)}; got {gk.dtype}"
     if beta.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"beta dtype {beta.dtype} (bf16 / fp16 / fp32 expected)"
     return None

@@ -61,6 +61,8 @@ against float64 and fla's roundings, and on the H200 against float64 and fla
 import functools
 from dataclasses import dataclass
 
+import torch
+
 from . import _warp
 from ._common.cache import CallCache, alloc
 from ._common.lazy import cutlass_dtype
@@ -79,10 +81,16 @@ APAD = 8  # Aqk staging rows (elements)
 _cache = CallCache("kda_cute_prep")
 
 
-class KdaPrep:
-    """See the module docstring. io: q / k / v dtype; beta_dtype: beta's."""
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+GATES = ("none", "softplus", "lower_bound")  # g is the step log gate / fla's gate's input (see _gate_half)
 
-    def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_qg: bool):
+
+class KdaPrep:
+    """See the module docstring. io: q / k / v dtype; beta_dtype: beta's; gate: one of GATES."""
+
+    def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_qg: bool,
+                 gate: str, has_bias: bool, lower_bound: float):
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -91,6 +99,9 @@ class KdaPrep:
         self.gsize = gsize
         self.scale = float(scale)
         self.want_qg = want_qg
+        self.gate = gate
+        self.has_bias = has_bias
+        self.lower_bound = float(lower_bound)
 
 
 def _build_kernel_class():
@@ -136,20 +147,24 @@ def _build_kernel_class():
             mQ: cute.Tensor,  # [B, T, H, K] io
             mK: cute.Tensor,
             mV: cute.Tensor,  # [B, T, HV, V] io
-            mG: cute.Tensor,  # [B, T, HV, K] f32
+            mG: cute.Tensor,  # [B, T, HV, K] the raw gate (f32 / bf16 / fp16)
             mBeta: cute.Tensor,  # [B, T, HV]
+            mAlog: cute.Tensor,  # [1, HV] f32 (with a gate in the kernel; else a stand-in, unread)
+            mBias: cute.Tensor,  # [HV, K] f32 (with has_bias; else a stand-in, unread)
             mW: cute.Tensor,  # outputs: [B, T, HV, K] io
             mU: cute.Tensor,  # [B, T, HV, V] io
             mQg: cute.Tensor,  # [B, T, HV, K] io (kg's storage when not want_qg: never written)
             mKg: cute.Tensor,  # [B, T, HV, K] io
             mAqk: cute.Tensor,  # [B, T, HV, BT] io
             mAkk: cute.Tensor,  # [B, T, HV, BT] io
+            mGk: cute.Tensor,  # [B, T, HV, K] f32
             stream,
         ):
             B = cute.size(mG, mode=[0])
             T_ = cute.size(mG, mode=[1])
             HV = cute.size(mG, mode=[2])
-            kernel = self.kda_cute_prep(mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk)
+            kernel = self.kda_cute_prep(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk,
+                                        mGk)
             kernel.launch(grid=(T_ // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=2,
                           preferred_smem_carveout=100, stream=stream)
 
@@ -264,6 +279,55 @@ def _build_kernel_class():
             sL[rr, ss] = ((ak[0] + ak[1]) + (ak[2] + ak[3])) * sBeta[rr]
 
         @cute.jit
+        def _gate_half(self, mG, mAlog, mBias, sG, sTot, b, hv, row0, t):
+            """Column t % K, rows 32 (t / K) .. + 31 of the chunk: the step gate in fp32 (fla's
+            kda_gate_chunk_cumsum: softplus: -exp(A_log) softplus(g + dt_bias); lower_bound:
+            lower_bound sigmoid(exp(A_log) (g + dt_bias)); none: g itself) and its running sum
+            down the 32 rows -> sG; the half's total -> sTot (half 0's only)."""
+            K = self.K
+            c = t % K
+            hf = t // K
+            ea = f32(1.0)
+            bias = f32(0.0)
+            if cutlass.const_expr(self.gate != "none"):
+                ea = _exp2(f32(mAlog[0, hv]) * LOG2E)
+                if cutlass.const_expr(self.has_bias):
+                    bias = f32(mBias[hv, c])
+            run = f32(0.0)
+            for i in cutlass.range_constexpr(BT // 2):
+                r = hf * (BT // 2) + i
+                x = f32(mG[b, row0 + r, hv, c])
+                if cutlass.const_expr(self.gate == "softplus"):
+                    y = x + bias
+                    sp = y  # softplus(y) = y from 20 on (fla's threshold)
+                    if y < 20.0:
+                        sp = cute.math.log2(1.0 + _exp2(y * LOG2E), fastmath=True) * LN2
+                    x = -ea * sp
+                if cutlass.const_expr(self.gate == "lower_bound"):
+                    x = self.lower_bound / (1.0 + _exp2(-(ea * (x + bias)) * LOG2E))
+                run = run + x
+                sG[r, c] = run
+            if hf == 0:
+                sTot[c] = run
+
+        @cute.jit
+        def _gate_join(self, sG, sTot, mGk, b, hv, row0, t):
+            """gk = (the half's running sum, plus half 0's total in half 1) / ln 2 (fla's
+            RCP_LN2 scale after the cumsum): into sG (the log2 cumsum the phases below read) and
+            out to gk, for the scan and the backward."""
+            K = self.K
+            c = t % K
+            hf = t // K
+            off = f32(0.0)
+            if hf == 1:
+                off = sTot[c]
+            for i in cutlass.range_constexpr(BT // 2):
+                r = hf * (BT // 2) + i
+                gv = (sG[r, c] + off) * (1.0 / LN2)
+                sG[r, c] = gv
+                mGk[b, row0 + r, hv, c] = gv
+
+        @cute.jit
         def _invert_diagonal(self, sL, sX, t):
             """Column t % 16 of diagonal block t / 16 of X = (I + L)^-1 by forward substitution
             (x above the column stays zero)."""
@@ -315,18 +379,21 @@ def _build_kernel_class():
             mV: cute.Tensor,
             mG: cute.Tensor,
             mBeta: cute.Tensor,
+            mAlog: cute.Tensor,
+            mBias: cute.Tensor,
             mW: cute.Tensor,
             mU: cute.Tensor,
             mQg: cute.Tensor,
             mKg: cute.Tensor,
             mAqk: cute.Tensor,
             mAkk: cute.Tensor,
+            mGk: cute.Tensor,
         ):
             K = self.K
             NV = self.NV
             io = self.io_dtype
-            mQ, mK, mV, mG, mW, mU, mQg, mKg, mAqk, mAkk = (
-                _warp.gmem(t) for t in (mQ, mK, mV, mG, mW, mU, mQg, mKg, mAqk, mAkk))
+            mQ, mK, mV, mW, mU, mQg, mKg, mAqk, mAkk = (
+                _warp.gmem(t) for t in (mQ, mK, mV, mW, mU, mQg, mKg, mAqk, mAkk))
             tidx, _, _ = cute.arch.thread_idx()
             t_idx, hv, b = cute.arch.block_idx()
             h = hv // self.gsize
@@ -337,7 +404,6 @@ def _build_kernel_class():
             # ---------------- global tiles
             gQ = cute.local_tile(mQ[b, None, h, None], (BT, K), (t_idx, 0))
             gK = cute.local_tile(mK[b, None, h, None], (BT, K), (t_idx, 0))
-            gG = cute.local_tile(mG[b, None, hv, None], (BT, K), (t_idx, 0))
             gV = cute.local_tile(mV[b, None, hv, None], (BT, BV), (t_idx, None))
             gW = cute.local_tile(mW[b, None, hv, None], (BT, BV), (t_idx, None))  # K in 64-wide tiles
             gU = cute.local_tile(mU[b, None, hv, None], (BT, BV), (t_idx, None))
@@ -365,6 +431,7 @@ def _build_kernel_class():
             sX = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 16)
             sT = smem.allocate_tensor(f32, cute.make_layout((3, BC, BC), stride=(BC * BC, BC, 1)), 16)
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
+            sTot = smem.allocate_tensor(f32, cute.make_layout(K), 16)  # the gate's half-chunk sums
             sKE = cute.make_tensor(sQ.iterator, lk)  # bf16(beta k exp2(g)): w's B operand
             sV = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=io), l64s)
             sAb = cute.make_tensor(cute.recast_ptr(sL.iterator, dtype=io), l64)  # bf16(X): A operand
@@ -379,18 +446,20 @@ def _build_kernel_class():
             sX4 = cute.make_tensor(sX.iterator, cute.make_layout((BT, BT // 4, 4), stride=(XS, 4, 1)))
             sAqk8 = cute.make_tensor(sAqk.iterator, cute.make_layout((BT, BT // 8, 8), stride=(AS, 8, 1)))
 
-            # ---------------- phase 0: cp.async loads (16 bytes per thread per copy)
-            cp_io, cp_f32 = _warp.cp_async_copies(io, THREADS)
+            # ---------------- phase 0: cp.async q, k (16 bytes per thread per copy); under them
+            # the gate and its chunk-local cumsum (fla's gate_chunk_cumsum) into sG and out as gk
+            cp_io, _ = _warp.cp_async_copies(io, THREADS)
             tio = cp_io.get_slice(tidx)
-            tf = cp_f32.get_slice(tidx)
             tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
             cute.copy(cp_io, tio.partition_S(gQ), tio.partition_D(sQ))
             cute.copy(cp_io, tio.partition_S(gK), tio.partition_D(sK))
-            cute.copy(cp_f32, tf.partition_S(gG), tf.partition_D(sG))
             cute.arch.cp_async_commit_group()
             if tidx < BT:
                 sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
+            self._gate_half(mG, mAlog, mBias, sG, sTot, b, hv, row0, tidx)
             cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            self._gate_join(sG, sTot, mGk, b, hv, row0, tidx)
             cute.arch.sync_threads()
 
             # 16-byte stores of 8 x 16-bit values: smem / gmem rows of a (rows, 64 or K) tile
@@ -568,21 +637,34 @@ _kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL impo
 
 
 # ----------------------------------------------------------------------------------- host side
-_NAMES = ("q", "k", "v", "gk", "beta")
+_NAMES = ("q", "k", "v", "g", "beta")
+G_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _hard_reason(q, k, v, gk, beta, chunk_size) -> str | None:
+def _gate(use_gate_in_kernel, lower_bound) -> str:
+    return "none" if not use_gate_in_kernel else ("softplus" if lower_bound is None else "lower_bound")
+
+
+def _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size) -> str | None:
     """Why the kernel cannot compute this call at all (shape, dtype, layout), or None."""
     if chunk_size != BT:
         return f"chunk_size={chunk_size} (kernel built for {BT})"
-    return (_warp.extent_reason(q, k, v, gk, beta, SUPPORTED_K)
-            or _warp.dtype_reason(q, (("k", k), ("v", v)), gk, beta)
-            or _warp.layout_reason(_NAMES, (q, k, v, gk, beta)))
+    r = (_warp.extent_reason(q, k, v, g, beta, SUPPORTED_K)
+         or _warp.dtype_reason(q, (("k", k), ("v", v)), g, beta, G_DTYPES))
+    if r:
+        return r
+    HV, K = g.shape[2], g.shape[3]
+    if use_gate_in_kernel and (A_log is None or A_log.numel() != HV):
+        return f"the gate in the kernel needs A_log of {HV} elements"
+    if use_gate_in_kernel and dt_bias is not None and dt_bias.numel() != HV * K:
+        return f"dt_bias must have HV*K={HV * K} elements"
+    return _warp.layout_reason(_NAMES, (q, k, v, g, beta))
 
 
-def is_supported(q, k, v, gk, beta, scale, chunk_size=BT, want_qg=False) -> str | None:
-    """None when `fwd_intra` runs the CuTe kernel on these arguments, else the reason it would not."""
-    return _hard_reason(q, k, v, gk, beta, chunk_size)
+def is_supported(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
+                 want_qg=False) -> str | None:
+    """None when `fwd_prep` runs the CuTe kernel on these arguments, else the reason it would not."""
+    return _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size)
 
 
 @dataclass(frozen=True)
@@ -592,26 +674,33 @@ class PrepConfig:
 
     io_dtype: str  # "bf16" / "fp16"
     beta_dtype: str  # "bf16" / "fp16" / "fp32"
+    g_dtype: str  # "fp32" / "bf16" / "fp16"
     K: int
     V: int
     H: int
     HV: int
     scale: float
     want_qg: bool
+    gate: str  # GATES
+    has_bias: bool
+    lower_bound: float
     arch: str
 
 
-def _config(q, v, beta, scale, want_qg) -> PrepConfig:
-    return PrepConfig(DT[q.dtype], DT[beta.dtype], q.shape[3], v.shape[3], q.shape[2], v.shape[2],
-                      float(scale), bool(want_qg), compile_arch())
+def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg) -> PrepConfig:
+    gate = _gate(use_gate_in_kernel, lower_bound)
+    return PrepConfig(DT[q.dtype], DT[beta.dtype], DT[g.dtype], q.shape[3], v.shape[3], q.shape[2],
+                      v.shape[2], float(scale), bool(want_qg), gate, gate != "none" and dt_bias is not None,
+                      float(lower_bound or 0.0), compile_arch())
 
 
 def _outputs(q, v, want_qg, device):
-    """w, u, qg (None unless want_qg), kg, Aqk, Akk: fresh, in q's dtype."""
+    """gk (fp32), then w, u, qg (None unless want_qg), kg, Aqk, Akk in q's dtype: fresh."""
     B, T, HV, V = v.shape
     K = q.shape[3]
     io = q.dtype
     return (
+        alloc((B, T, HV, K), torch.float32, device),  # gk
         alloc((B, T, HV, K), io, device),  # w
         alloc((B, T, HV, V), io, device),  # u
         alloc((B, T, HV, K), io, device) if want_qg else None,  # qg
@@ -621,10 +710,15 @@ def _outputs(q, v, want_qg, device):
     )
 
 
-def _kernel_args(q, k, v, gk, beta, outs):
-    """The kernel's eleven tensors: without want_qg, kg's storage stands in for qg (never written)."""
-    w, u, qg, kg, aqk, akk = outs
-    return (q, k, v, gk, beta, w, u, kg if qg is None else qg, kg, aqk, akk)
+def _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg: PrepConfig, outs):
+    """The kernel's fourteen tensors. A_log [1, HV] and dt_bias [HV, K] in fp32 (a view when they
+    are already); where the kernel does not read them, gk's storage stands in (2-D, fp32). Without
+    want_qg kg's storage stands in for qg (never written)."""
+    gk, w, u, qg, kg, aqk, akk = outs
+    stand_in = gk.view(-1, gk.shape[-1])
+    a = A_log.detach().float().reshape(1, -1).contiguous() if cfg.gate != "none" else stand_in
+    bias = dt_bias.detach().float().reshape(cfg.HV, cfg.K).contiguous() if cfg.has_bias else stand_in
+    return (q, k, v, g, beta, a, bias, w, u, kg if qg is None else qg, kg, aqk, akk, gk)
 
 
 def _build(views, stream, cfg: PrepConfig, options: str = ""):
@@ -632,30 +726,35 @@ def _build(views, stream, cfg: PrepConfig, options: str = ""):
 
     kern = _kernel_class()(
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
-        cfg.want_qg,
+        cfg.want_qg, cfg.gate, cfg.has_bias, cfg.lower_bound,
     )
     return cute.compile(kern, *views, stream, options=options)
 
 
-def compile_for(q, k, v, gk, beta, scale, want_qg=True, keep_ptx=False):
+def compile_for(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg=True,
+                keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
-    args = _kernel_args(q, k, v, gk, beta, _outputs(q, v, want_qg, q.device))
-    cfg = _config(q, v, beta, scale, want_qg)
+    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg)
+    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, _outputs(q, v, want_qg, q.device))
     return _warp.compile_only(lambda views, stream, opts: _build(views, stream, cfg, opts), args, keep_ptx)
 
 
-def fwd_intra(q, k, v, gk, beta, scale, chunk_size=BT, want_qg=False):
-    """fla's chunk_kda_fwd_intra (chunk 64) -> (w, u, qg or None, kg, Aqk, Akk), fresh outputs."""
-    reason = _hard_reason(q, k, v, gk, beta, chunk_size)
+def fwd_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
+             want_qg=False):
+    """fla's gate_chunk_cumsum + chunk_kda_fwd_intra (chunk 64) in one kernel -> (gk, w, u, qg or
+    None, kg, Aqk, Akk), fresh outputs. Raises ValueError on a call the kernel cannot compute."""
+    reason = _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size)
     if reason is not None:
-        raise ValueError(f"kda_cute.prep.fwd_intra: unsupported call: {reason}")
-    return launch(q, k, v, gk, beta, scale, chunk_size, want_qg)
+        raise ValueError(f"kda_cute.prep.fwd_prep: unsupported call: {reason}")
+    return launch(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size,
+                  want_qg)
 
 
-def launch(q, k, v, gk, beta, scale, chunk_size=BT, want_qg=False):
-    """`fwd_intra` without its checks: for a caller whose `is_supported` just said None."""
+def launch(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
+           want_qg=False):
+    """`fwd_prep` without its checks: for a caller whose `is_supported` just said None."""
     outs = _outputs(q, v, want_qg, q.device)
-    args = _kernel_args(q, k, v, gk, beta, outs)
-    cfg = _config(q, v, beta, scale, want_qg)
+    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg)
+    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _build(views, stream, cfg, opts))
     return outs

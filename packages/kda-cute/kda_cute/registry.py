@@ -120,15 +120,16 @@ def _probe_wy_dqkg(d: Dims) -> tuple:
     return (qk, qk, vv, vv, gk, d.t(d.B, d.T, d.HV), a, st, vv, st, vv, d.K**-0.5)
 
 
-def _probe_fwd_intra(d: Dims) -> tuple:
-    # fwd_intra(q, k, v, gk, beta, scale, chunk_size, want_qg)
+def _probe_fwd_prep(d: Dims) -> tuple:
+    # fwd_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size,
+    # want_qg): the gate in the op, as the reference shape runs it
     qk = d.t(d.B, d.T, d.H, d.K)
-    return (qk, qk, d.t(d.B, d.T, d.HV, d.V), d.t(d.B, d.T, d.HV, d.K, dtype=_F32), d.t(d.B, d.T, d.HV),
-            d.K**-0.5, 64, True)
+    return (qk, qk, d.t(d.B, d.T, d.HV, d.V), d.t(d.B, d.T, d.HV, d.K), d.t(d.B, d.T, d.HV),
+            d.t(d.HV, dtype=_F32), None, None, True, d.K**-0.5, 64, True)
 
 
 STAGES: tuple[CuteStage, ...] = (
-    CuteStage("fwd_intra", "fwd_intra", ("kda_cute_prep",), _probe_fwd_intra, module="prep"),
+    CuteStage("fwd_prep", "fwd_prep", ("kda_cute_prep",), _probe_fwd_prep, module="prep"),
     CuteStage("fwd", "fwd_scan", ("kda_cute_fwd",), _probe_fwd),
     CuteStage("b1", "fwd_h", ("kda_cute_b1",), _probe_b1),
     CuteStage("dhu", "bwd_dhu", ("kda_cute_dhu",), _probe_dhu),

@@ -23,7 +23,8 @@ vectors), float32 add / sub / mul / fma (round to nearest), min / max / neg / ab
 bf16 / fp16 / tf32 conversions of `numerics`, prmt, dp2a, shfl.sync (bfly and idx), mma.sync m16n8k8
 row.col f32.tf32.tf32.f32. Any other float-typed opcode of the integer families (add.bf16x2,
 min.ftz.f32, setp.lt.f16, ...) raises NotImplementedError rather than running as integer arithmetic
-on the bits. ex2.approx.ftz.f32 is modelled as exact exp2 with flush-to-zero (the hardware's ~2 ulp
+on the bits. ex2.approx.ftz.f32 is modelled as exact exp2 with flush-to-zero (lg2.approx.ftz.f32 as exact
+log2, div.rn.f32 as IEEE division; the hardware's ~2 ulp
 error is not), the mma operands as tf32-truncated (their low 13 bits dropped) with a float64 sum
 rounded once to float32 (the hardware's accumulation order is not modelled).
 Not modelled: timing, caches, memory ordering between threads except at the collectives (a thread
@@ -314,6 +315,13 @@ class CTA:
                 x = ftz(fv(args[1]))
                 with np.errstate(over="ignore", under="ignore"):
                     R[args[0]] = f2b(ftz(F32(np.exp2(np.float64(x)))))
+            elif op == "lg2.approx.ftz.f32":  # as exact log2 (the hardware's ~2^-22 relative error)
+                x = ftz(fv(args[1]))
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    R[args[0]] = f2b(F32(np.log2(np.float64(x))))
+            elif op == "div.rn.f32":  # IEEE round-to-nearest division
+                with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                    R[args[0]] = f2b(F32(fv(args[1])) / F32(fv(args[2])))
             elif op == "cvt.f32.bf16":
                 R[args[0]] = f2b(bf16_to_f32(val(args[1])))
             elif op == "cvt.f32.f16":

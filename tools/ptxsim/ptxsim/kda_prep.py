@@ -3,11 +3,11 @@ interpreter, and its inputs.
 
 `emulate_prep(text, args, want_qg)` runs the kernel's PTX `text` on the CTAs of its grid (T / 64,
 HV, B), `kda_cute.prep.THREADS` threads each, through `ext_wy.WyCTA` (tf32 mma.sync m16n8k8, bf16 /
-fp16 m16n8k16, ldmatrix, cp.async) over one emulated global memory holding the five inputs and the
-six outputs, NaN-poisoned first; it returns w, u, qg, kg, Aqk, Akk (without want_qg, qg is the qg
+fp16 m16n8k16, ldmatrix, cp.async) over one emulated global memory holding the inputs and the seven
+outputs, NaN-poisoned first; it returns gk, w, u, qg, kg, Aqk, Akk (without want_qg, qg is the qg
 slot's own poisoned buffer: the kernel must leave it untouched). `prep_inputs(...)` makes random
-inputs of the contract's shapes and dtypes (never zeros: gates a chunk-local log2 cumsum of negative
-steps, beta in (0, 1)). kda_cute is imported inside the functions only.
+inputs of the contract's shapes and dtypes (never zeros: negative step gates or a gate's input,
+beta in (0, 1)). kda_cute is imported inside the functions only.
 """
 
 import torch
@@ -17,11 +17,12 @@ from .launch import run_grid
 
 
 def emulate_prep(text, args, want_qg=True, ctas=None):
-    """Run kda_cute_prep's PTX on CPU for `args` = (q, k, v, gk, beta): (w, u, qg, kg, Aqk, Akk).
-    `ctas`: the (chunk, hv, b) CTAs to run (default every one); other chunks' outputs stay NaN."""
+    """Run kda_cute_prep's PTX on CPU for `args` = (q, k, v, g, beta, A_log, dt_bias, lower_bound,
+    use_gate_in_kernel) (`prep_inputs`' list; the scale is compiled in): (gk, w, u, qg, kg, Aqk,
+    Akk). `ctas`: the (chunk, hv, b) CTAs to run (default every one); other chunks' outputs stay NaN."""
     from kda_cute import prep
 
-    q, k, v, gk, beta = args
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
     B, T, HV, _ = v.shape
     outs = prep._outputs(q, v, want_qg, "cpu")
     for t in outs:
@@ -29,22 +30,31 @@ def emulate_prep(text, args, want_qg=True, ctas=None):
             t.fill_(float("nan"))
     if ctas is None:
         ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
-    tensors = list(prep._kernel_args(q, k, v, gk, beta, outs))
+    cfg = prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in, 1.0, want_qg)
+    tensors = list(prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs))
     if not want_qg:  # the launch passes kg's storage there; here a poisoned buffer of its own
-        tensors[7] = torch.full_like(outs[3], float("nan"))
+        tensors[9] = torch.full_like(outs[4], float("nan"))
     got = run_grid(wy_program(text), tensors, ctas, WyCTA, prep.THREADS)
-    w, u, qg, kg, aqk, akk = got[5:]
-    return w, u, qg, kg, aqk, akk
+    w, u, qg, kg, aqk, akk, gk = got[7:]
+    return gk, w, u, qg, kg, aqk, akk
 
 
-def prep_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtype=None, gmin=-0.3, seed=0):
-    """fwd_intra's tensor arguments (q, k, v, gk, beta) at these extents, random and nonzero; q, k
-    l2-normalized as the chain gives them; gk a chunk-local cumsum of steps in (gmin, 0), log2."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1).to(dtype)
-    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1).to(dtype)
-    v = torch.randn(B, T, HV, V, generator=g).to(dtype)
-    step = gmin * torch.rand(B, T, HV, K, generator=g)
-    gk = torch.cat([c.cumsum(1) for c in step.split(64, dim=1)], 1) / 0.6931471805599453
-    beta = torch.rand(B, T, HV, generator=g).to(beta_dtype or dtype)
-    return [q, k, v, gk.contiguous(), beta]
+def prep_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtype=None, gmin=-0.3, seed=0,
+                gate="none", g_dtype=torch.float32):
+    """fwd_prep's arguments but the scale (q, k, v, g, beta, A_log, dt_bias, lower_bound,
+    use_gate_in_kernel) at these extents, random and nonzero; q, k l2-normalized as the chain gives
+    them. gate "none": g the step log gate in (gmin, 0); "softplus": g the gate's input (N(0, 1)),
+    A_log from log 1 to log 16 over the heads, a dt_bias; "lower_bound": the same with lower_bound
+    gmin (the step gate in (gmin, 0))."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(dtype)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(dtype)
+    v = torch.randn(B, T, HV, V, generator=gen).to(dtype)
+    beta = torch.rand(B, T, HV, generator=gen).to(beta_dtype or dtype)
+    if gate == "none":
+        g = (gmin * torch.rand(B, T, HV, K, generator=gen)).to(g_dtype)
+        return [q, k, v, g, beta, None, None, None, False]
+    g = torch.randn(B, T, HV, K, generator=gen).to(g_dtype)
+    A_log = torch.log(torch.linspace(1.0, 16.0, HV)) if HV > 1 else torch.tensor([0.7])
+    dt_bias = 0.5 * torch.randn(HV * K, generator=gen)
+    return [q, k, v, g, beta, A_log, dt_bias, gmin if gate == "lower_bound" else None, True]

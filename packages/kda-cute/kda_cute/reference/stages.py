@@ -257,6 +257,27 @@ def _w_u_qg_kg(qc, kc, vc, bc, Ac, Gc, valid):
     return w, u, qg, kg
 
 
+def fwd_prep(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+    use_gate_in_kernel: bool,
+    scale: float,
+    chunk_size: int = 64,
+    want_qg: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """The forward's chunk-parallel stage: gate_chunk_cumsum then fwd_intra (kda_cute_prep does
+    both in one kernel). g is the raw gate (the per-step log gate, or the gate's input with
+    use_gate_in_kernel). Returns gk (gate_chunk_cumsum's), then fwd_intra's w, u, qg, kg, Aqk, Akk."""
+    gk = gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
+    return (gk, *fwd_intra(q, k, v, gk, beta, scale, chunk_size, want_qg))
+
+
 def fwd_intra(
     q: torch.Tensor,
     k: torch.Tensor,
