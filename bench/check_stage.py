@@ -43,8 +43,10 @@ CHECKS = {
 }
 
 
-def chain_calls(B, T, H, HV, V, dtype=torch.bfloat16, seed=0) -> dict[str, tuple]:
-    """One fwd+bwd of the chain (every CuTe kernel launched once): each stage's arguments."""
+def chain_calls(B, T, H, HV, V, dtype=torch.bfloat16, seed=0, gate="softplus") -> dict[str, tuple]:
+    """One fwd+bwd of the chain (every CuTe kernel launched once): each stage's arguments. gate:
+    "softplus" (the gate in the op, fla's default form, with a dt_bias), "lower_bound" (the gate in
+    the op with lower_bound=-5), "none" (an fp32 per-step log gate, cuDNN's input)."""
     from kda_chain import chunk_kda
     from kda_chain.stages import capture
 
@@ -53,12 +55,16 @@ def chain_calls(B, T, H, HV, V, dtype=torch.bfloat16, seed=0) -> dict[str, tuple
     def r(*s, dt=dtype, scale=1.0):
         return (torch.randn(s, generator=g, device="cuda") * scale).to(dt).requires_grad_(True)
 
-    q, k, v, gate, beta = r(B, T, H, 128), r(B, T, H, 128), r(B, T, HV, V), r(B, T, HV, 128), r(B, T, HV)
+    q, k, v, raw, beta = r(B, T, H, 128), r(B, T, H, 128), r(B, T, HV, V), r(B, T, HV, 128), r(B, T, HV)
     A_log = torch.log(torch.linspace(1.0, 16.0, HV, device="cuda"))
+    kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=r(HV * 128, dt=torch.float32, scale=0.1))
+    if gate == "lower_bound":
+        kw["lower_bound"] = -5.0
+    if gate == "none":  # a negative log gate, -softplus(x) / 4 (fp32)
+        raw = (-torch.nn.functional.softplus(raw.detach().float()) / 4).requires_grad_(True)
+        kw = {}
     with capture() as calls:
-        o, _ = chunk_kda(
-            q, k, v, gate, beta.sigmoid(), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log
-        )
+        o, _ = chunk_kda(q, k, v, raw, beta.sigmoid(), use_qk_l2norm_in_kernel=True, **kw)
         o.backward(torch.randn_like(o))
     torch.cuda.synchronize()
     return {name: a for name, a, _ in calls}
@@ -152,13 +158,14 @@ def main() -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     ok = True
     checks = [
-        ("B1 T1024 H16 V256", (1, 1024, 16, 16, 256)),
-        ("B1 T512 H8 HV16 V128 (GVA)", (1, 512, 8, 16, 128)),
-        ("B2 T64 H16 V128 (T=64)", (2, 64, 16, 16, 128)),
+        ("B1 T1024 H16 V256", (1, 1024, 16, 16, 256), "softplus"),
+        ("B1 T512 H8 HV16 V128 (GVA, gate with lower_bound)", (1, 512, 8, 16, 128), "lower_bound"),
+        ("B2 T64 H16 V128 (T=64, fp32 log gate given)", (2, 64, 16, 16, 128), "none"),
+        ("B1 T1024 H16 V128 fp16 (fp32 log gate given)", (1, 1024, 16, 16, 128, torch.float16), "none"),
     ]
-    for name, shape in checks[:1] if a.quick else checks:
+    for name, shape, gate in checks[:1] if a.quick else checks:
         try:
-            ok &= check(a.stage, name, chain_calls(*shape))
+            ok &= check(a.stage, name, chain_calls(*shape, gate=gate))
         except Exception as e:  # report and go on: one call must tell everything
             ok = False
             print(f"ERROR {name}: {type(e).__name__}: {e}", flush=True)
