@@ -30,8 +30,8 @@ MN-major); do (V, T). dh leaves by TMA store from the bf16 smem copy that is als
 w 16 KB each, Aqk 8 KB, do 8 KB per V tile; per warpgroup the dh (16 KB) and dv2 (8 KB) buffers.
 
 Constraints: bf16 / fp16; K = 128; V % 64 == 0; HV % H == 0; contiguous, aligned, no varlen;
-h0 / dht / dh0 fp32 [B, HV, K, V]; at least GRID_FLOOR = 128 V tiles (B * HV * V / 64), below
-which fla is faster.
+h0 / dht / dh0 fp32 [B, HV, K, V]; Aqk [B, T, HV, 64] in do's dtype; at least GRID_FLOOR = 32
+V tiles (B * HV * V / 64): below that not timed, fla runs.
 
 Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (no dht / dh0; each adds 0.034 GB):
 
@@ -48,9 +48,10 @@ Why this design:
   * L2 evict-first hints on the TMA traffic are 2-16% slower (measured on b1 and fwd): the other
     V half's CTA re-reads kg / w from L2.
 
-Today (H200, 2026-12-01, 3 calls per sample, no h0): 1.834 ms vs fla's bwd_dhu 3.055 ms =
-1.67x; B2 T4096 V256 0.158 vs 0.224 ms (stage benchmark, one call per round: 1.927 vs 3.100 ms,
-1.61x).
+Today (H200, 2026-12-02, bench/check_scans.py, 3 calls per sample, no h0): 1.876 ms vs fla's
+bwd_dAv + bwd_dhu (what it replaces) 4.063 ms = 2.17x; B2 T4096 V256 0.168 vs 0.327 (1.95x); B1
+T4096 V128 (32 V tiles) 0.158 vs 0.287 (1.81x). The unfused kernel took 1.834 ms at the
+reference shape (against fla's bwd_dhu alone, 3.055).
 
 History, falsified experiments and their logs: docs/perf/dhu.md.
 """
@@ -67,9 +68,11 @@ from ._common.support import device_reason
 S = LazyModule("kda_cute._scan")  # the device half: imported (with the DSL) on the first build
 _cache = CallCache("kda_cute_dhu")
 STAGES = 2
-# 64-wide V tiles (B * HV * V/64) below which fla runs: at 64 tiles (B2 T4096 H16 V128) ours took
-# 0.258 ms vs fla's 0.236 (H200 2026-12-01); at 128 (V256) 0.158 vs 0.224.
-GRID_FLOOR = 128
+# 64-wide V tiles (B * HV * V/64) below which fla runs. Against what the kernel replaces (fla's
+# bwd_dAv + bwd_dhu) ours is faster at the smallest grid timed: 32 tiles (B1 T4096 H16 V128) 0.158
+# vs 0.287 ms (H200 2026-12-02); below 32 not timed. (Unfused, against fla's bwd_dhu alone, it
+# lost at 64 tiles: 0.258 vs 0.236, 2026-12-01.)
+GRID_FLOOR = 32
 
 
 def variant(B: int, HV: int, V: int) -> tuple[int, int]:

@@ -1,9 +1,11 @@
-"""kda_cute_prep: the forward's chunk-parallel intra-chunk factors on sm_90 (fla 0.6.0's
-`chunk_kda_fwd_intra`: token-parallel intra, inter + solve_tril, recompute_w_u; the chain's
-stage `fwd_intra`).
+"""kda_cute_prep: the forward's chunk-parallel stage on sm_90 (fla 0.6.0's `kda_gate_chunk_cumsum`
+and `chunk_kda_fwd_intra`: the gate and its chunk-local cumsum, token-parallel intra, inter +
+solve_tril, recompute_w_u; the chain's stage `fwd_prep`).
 
-Per chunk of BT = 64 tokens and value head hv (g the log2 chunk-local cumsum of the gate, rows
-r >= s, D_rs = exp2(g_r - g_s) per key column, gl = g at the chunk's last row):
+Per chunk of BT = 64 tokens and value head hv: the step gate (fla's forms: -exp(A_log)
+softplus(g + dt_bias); lower_bound sigmoid(exp(A_log) (g + dt_bias)); or g itself) and
+gk = cumsum / ln 2 down the chunk (fp32, an output); then, with rows r >= s, D_rs = exp2(gk_r -
+gk_s) per key column, gl = gk at the chunk's last row:
 
     Aqk_rs = scale sum_d q_r k_s D_rs          (r >= s; zero above the diagonal)
     L_rs   = beta_r sum_d k_r k_s D_rs          (r > s)
@@ -12,16 +14,19 @@ r >= s, D_rs = exp2(g_r - g_s) per key column, gl = g at the chunk's last row):
     kg = k exp2(gl - g)                       qg = q exp2(g)   (only with want_qg)
 
 CTA decomposition: one CTA per (chunk, hv, b), grid (T / 64, HV, B), 256 threads (8 warps), two
-CTAs per SM (~104 KB of smem each: one CTA's load and solve latencies hide under the other's
+CTAs per SM (~105 KB of smem each: one CTA's load and solve latencies hide under the other's
 arithmetic). Phases, each ended by a barrier:
-  0. cp.async q, k, g; kg and qg out.
-  1. A. Warps 0-5: the six 16 x 16 blocks below the diagonal blocks, one per warp, as tf32
-     mma.sync m16n8k8 (fla's tl.dot precision), operands computed into registers anchored at
-     the source block's last row: q_r exp2(g_r - gl_j) and k_s exp2(gl_j - g_s), both
-     exponents <= 0 for any gate <= 0 (g falls along the chunk), however strong. Then every
-     thread: the four diagonal blocks in SIMT fp32, one exp2 per (r, s, d) (a thread: one row,
-     four sources). L (fp32) and the scaled Aqk (io) to smem; Aqk out (16-byte rows, zero above
-     the diagonal).
+  0. cp.async q, k; under them the gate: a thread per (column, half chunk) reads its 32 raw gate
+     values, runs their sum, then adds half 0's total (smem) and scales by 1 / ln 2 into the g
+     tile and out to gk; kg and qg out.
+  1. A and L, every exp2 argument <= 0 for any gate <= 0 (g falls along the chunk): warps 0-5 the
+     six 16 x 16 blocks below the diagonal blocks, one per warp, as tf32 mma.sync m16n8k8 (fla's
+     tl.dot precision), operands computed into registers anchored at the source block's last
+     row: q_r exp2(g_r - g_a), k_s exp2(g_a - g_s); warps 6-7 the diagonal blocks' three
+     anchored quadrants (rows 8-15 x sources 0-7 at row 7, 4-7 x 0-3 at 3, 12-15 x 8-11 at 11)
+     packed into one 16 x 16 tf32 product per block; warps 0-4 the 160 pairs of the sixteen 4 x 4
+     blocks on the diagonal in SIMT fp32, one exp2 per (r, s, d). L (fp32) and the scaled Aqk
+     (io) to smem; Aqk out (16-byte rows, zero above the diagonal).
   2. The solve, SIMT fp32 in smem: each diagonal block's inverse by forward substitution (a
      thread per column), then the blocks below, one band at a time:
      X_ij = -X_ii sum_{t=j}^{i-1} L_it X_tj.
@@ -32,26 +37,28 @@ arithmetic). Phases, each ended by a barrier:
      bf16 mma.sync m16n8k16, a 4 x 2 warp grid over each 64 x 64 tile, operands by ldmatrix;
      out from the C fragments as bf16 pairs.
 
-Layouts: global as fla (q, k [B, T, H, K]; v, u [B, T, HV, V]; gk, w, qg, kg [B, T, HV, K];
-Aqk, Akk [B, T, HV, 64]; beta [B, T, HV]). smem: q, k rows padded to 136 elements, g to 132
-floats, L / X to 68 floats (16-byte rows for the vector reads, conflict-light SIMT columns): 104
-KB. Four buffers take a second role once their first is dead: q's holds bf16(beta k E), g's the
-V ring (128-byte swizzled 64-column rows, as bf16(X) in L's), X's the Aqk staging before it.
+Layouts: global as fla (q, k [B, T, H, K]; v, u [B, T, HV, V]; g, gk, w, qg, kg [B, T, HV, K];
+Aqk, Akk [B, T, HV, 64]; beta [B, T, HV]; A_log [HV], dt_bias [HV * K], fp32 views made on the
+host). smem: q, k rows padded to 136 elements, g to 132 floats, L / X to 68 floats (16-byte rows
+for the vector reads, conflict-light SIMT columns): 105 KB. Four buffers take a second role once
+their first is dead: q's holds bf16(beta k E), g's the V ring (128-byte swizzled 64-column rows,
+as bf16(X) in L's), X's the Aqk staging before it.
 
-Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (want_qg):
+Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, want_qg):
 
-    read    q, k 1.074 GB, g 1.074, v 1.074, beta 0.004                        3.23 GB
-    write   w, qg, kg 1.611 GB, u 1.074, Aqk, Akk 0.537                         3.22 GB
-    total   6.45 GB: 1.61 ms at 4.0 TB/s
+    read    q, k 1.074 GB, g 0.537, v 1.074, beta 0.004                         2.69 GB
+    write   gk 1.074 GB, w, qg, kg 1.611, u 1.074, Aqk, Akk 0.537              4.30 GB
+    total   6.99 GB: 1.75 ms at 4.0 TB/s
 
 Constraints: K = 128; V % 64 == 0; T % 64 == 0 (a ragged last chunk is refused); HV % H == 0;
-q, k, v one dtype (bf16 or fp16); beta bf16 / fp16 / fp32; gk fp32; contiguous, 16-byte aligned;
-no varlen. `scale` and `want_qg` are part of the compile key.
+q, k, v one dtype (bf16 or fp16); g fp32 / bf16 / fp16; beta bf16 / fp16 / fp32; contiguous,
+16-byte aligned; no varlen; with the gate in the kernel an A_log of HV elements (dt_bias optional,
+HV * K). `scale`, `want_qg`, the gate form and lower_bound are part of the compile key.
 
-Today (H200, 2026-12-02, bench/check_stage.py --stage fwd_intra): 3.866 ms vs fla's 4.925 at the
-reference shape (1.27x; 2.4x over the byte floor above), 3.459 vs 4.632 at B16 T8192 H16
-K=V=128 (1.34x), 0.264 vs 0.408 at B2 T4096 (1.54x); every output's error vs float64 equal to
-fla's, bitwise repeatable (bench/results/prep.md).
+Today (H200, 2026-12-02, bench/check_stage.py --stage fwd_prep): 3.725 ms vs fla's gate cumsum +
+fwd_intra 5.410 at the reference shape (1.45x; 2.1x over the byte floor above), 3.297 vs 5.018 at
+B16 T8192 H16 K=V=128 (1.52x), 0.244 vs 0.418 at B2 T4096 (1.71x);
+every output's error vs float64 equal to fla's, bitwise repeatable (bench/results/prep.md).
 
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_prep_compile.py, ptxsim.kda_prep)
 against float64 and fla's roundings, and on the H200 against float64 and fla
