@@ -2,7 +2,7 @@
 
 Bad input fails here, with the argument named, before any kernel runs. Flags the chain does not
 implement (cu_seqlens, cp_context, safe_gate, state_v_first, chunk_size != 64,
-disable_recompute, return_intermediate_states, use_graph) send the WHOLE call to fla, logged
+return_intermediate_states, use_graph) send the WHOLE call to fla, logged
 once and recorded as the range `kda::chunk_kda::fla::<reason>` so the witness shows it; where
 fla cannot run (no CUDA, float64 inputs, fla not importable), such a call raises rather than
 silently doing something else, except a packed (cu_seqlens) call with no other such flag: it
@@ -29,14 +29,13 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _delegated_reason(*, chunk_size, safe_gate, state_v_first, cu_seqlens, cp_context, use_graph,
-                      disable_recompute, return_intermediate_states) -> str | None:
+                      return_intermediate_states) -> str | None:
     for on, why in (
         (cu_seqlens is not None, "cu_seqlens (varlen) not implemented"),
         (cp_context is not None, "context parallel not implemented"),
         (safe_gate, "safe_gate not implemented"),
         (state_v_first, "state_v_first not implemented"),
         (use_graph, "use_graph not implemented"),
-        (disable_recompute, "disable_recompute not implemented"),
         (return_intermediate_states, "return_intermediate_states not implemented"),
         (chunk_size != 64, f"chunk_size {chunk_size} not implemented (64 only)"),
     ):
@@ -168,13 +167,12 @@ def chunk_kda(
 
     reason = _delegated_reason(
         chunk_size=chunk_size, safe_gate=safe_gate, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        cp_context=cp_context, use_graph=use_graph, disable_recompute=disable_recompute,
-        return_intermediate_states=return_intermediate_states)
+        cp_context=cp_context, use_graph=use_graph, return_intermediate_states=return_intermediate_states)
     if reason is not None:
         no_fla = S.fla_gate(q)
         if no_fla is not None and cu_seqlens is not None and _delegated_reason(
                 chunk_size=chunk_size, safe_gate=safe_gate, state_v_first=state_v_first, cu_seqlens=None,
-                cp_context=cp_context, use_graph=use_graph, disable_recompute=disable_recompute,
+                cp_context=cp_context, use_graph=use_graph,
                 return_intermediate_states=return_intermediate_states) is None:
             why = f"{reason}; fla cannot run here ({no_fla}): the chain once per sequence"
             registry.log_once(f"kda_chain: varlen call: {why}", logger=log)
@@ -183,7 +181,7 @@ def chunk_kda(
                 return _per_sequence(cu_seqlens, q, k, v, g, beta, A_log, dt_bias, initial_state, scale,
                                      output_final_state, chunk_size, use_qk_l2norm_in_kernel,
                                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                                     lower_bound)
+                                     lower_bound, disable_recompute)
         if no_fla is not None:
             raise NotImplementedError(f"chunk_kda: {reason}, and fla cannot run here ({no_fla})")
         registry.log_once(f"kda_chain: whole call to fla: {reason}", logger=log)
@@ -202,13 +200,14 @@ def chunk_kda(
 
     return _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, chunk_size,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                  lower_bound)
+                  lower_bound, disable_recompute)
 
 
 def _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, chunk_size,
            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-           lower_bound):
-    """The chain on validated [B, T, ...] inputs (no varlen)."""
+           lower_bound, disable_recompute=False):
+    """The chain on validated [B, T, ...] inputs (no varlen). disable_recompute: the forward keeps
+    w, u, qg, kg, h, v_new (and gk) for the backward, as fla's: more memory, no recompute."""
     if q.shape[1] == 0:  # fla's answer at T = 0, without launching anything
         return EmptyKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state)
     if scale is None:
@@ -216,7 +215,7 @@ def _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_
     flags = Flags(scale=float(scale), chunk_size=chunk_size, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                  lower_bound=lower_bound)
+                  lower_bound=lower_bound, disable_recompute=bool(disable_recompute))
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
@@ -253,7 +252,6 @@ def is_supported(q: torch.Tensor, v: torch.Tensor | None = None, **flags) -> dic
         chunk_size=flags.get("chunk_size", 64), safe_gate=flags.get("safe_gate", False),
         state_v_first=flags.get("state_v_first", False), cu_seqlens=flags.get("cu_seqlens"),
         cp_context=flags.get("cp_context"), use_graph=flags.get("use_graph", False),
-        disable_recompute=flags.get("disable_recompute", False),
         return_intermediate_states=flags.get("return_intermediate_states", False))
     if reason is not None:
         return {name: f"whole call to fla: {reason}" for name in S.CUTE_STAGES}

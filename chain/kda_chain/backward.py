@@ -3,6 +3,7 @@
     gate_chunk_cumsum          recompute gk, only when the gate runs in kernel (not saved)
     recompute_w_u              w, u, qg, kg from Akk
     b1                         kda_cute_b1: re-scan h for every chunk and v_new
+                               (these three skipped with disable_recompute: the forward kept them)
     dhu                        kda_cute_dhu: reverse scan -> dh per chunk, dh0, dv2, with bwd_dAv's
                                dv = tril(Aqk)^T do computed inside (the fused form: Aqk, no dv)
     bwd_wy_dqkg                dq, dk, dv, db, dg, dAkk through the WY form and the states; with
@@ -32,10 +33,13 @@ def backward(do, dht, s: Saved, f: Flags):
     q, k, v, beta = s.q, s.k, s.v, s.beta
     H, HV = q.shape[2], v.shape[2]
     gk = s.gk
-    if gk is None:
-        gk = S.gate_chunk_cumsum(s.g, s.A_log, s.dt_bias, f.lower_bound, f.chunk_size, True)
-    w, u, qg, kg = S.recompute_w_u(q, k, v, beta, s.Akk, gk)
-    h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False)
+    if s.kept is not None:  # disable_recompute
+        w, u, qg, kg, h, v_new = (s.kept.w, s.kept.u, s.kept.qg, s.kept.kg, s.kept.h, s.kept.v_new)
+    else:
+        if gk is None:
+            gk = S.gate_chunk_cumsum(s.g, s.A_log, s.dt_bias, f.lower_bound, f.chunk_size, True)
+        w, u, qg, kg = S.recompute_w_u(q, k, v, beta, s.Akk, gk)
+        h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False)
     # bwd_dAv's two products live in the CuTe kernels that hold their operands: dv = tril(Aqk)^T do
     # in dhu's reverse scan, dAqk = scale tril(do v_new^T) in wy_dqkg's V walk. Where either stage
     # is not the CuTe kernel, bwd_dAv runs (with that stage's reason in the record).

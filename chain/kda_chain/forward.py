@@ -10,9 +10,14 @@
     fwd                        kda_cute_fwd: the state scan fused with the readout -> o, ht
                                (fla: chunk_gated_delta_rule_fwd_h + chunk_gla_fwd_o_gk, from q)
 
+    b1                         only with disable_recompute: kda_cute_b1's h (bf16 per chunk) and
+                               v_new, kept for the backward (fwd does not store them)
+
 What is saved for backward is exactly what fla 0.6.0 saves (no more activations): q, k (after
 l2norm) with their rstd, v, gk (only when the gate is not recomputed in kernel), the raw g,
 beta (raw and activated), A_log, dt_bias, Aqk, Akk, initial_state (not qg: fla does not either).
+With disable_recompute, as fla: also gk always and w, u, qg, kg, h, v_new (`Kept`), so the
+backward skips the gate cumsum, recompute_w_u and b1.
 """
 
 from __future__ import annotations
@@ -34,10 +39,25 @@ class Flags:
     use_beta_sigmoid_in_kernel: bool
     allow_neg_eigval: bool
     lower_bound: float | None
+    disable_recompute: bool = False
 
     @property
     def beta_scale(self) -> float:
         return 2.0 if self.allow_neg_eigval else 1.0
+
+
+@dataclass
+class Kept:
+    """What disable_recompute keeps from the forward for the backward (fla's set): w, u, qg, kg
+    [B, T, HV, K / V] in the io dtype, h [B, NT, HV, K, V] (the state entering each chunk, io
+    dtype), v_new [B, T, HV, V]."""
+
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kg: torch.Tensor
+    h: torch.Tensor
+    v_new: torch.Tensor
 
 
 @dataclass
@@ -56,6 +76,7 @@ class Saved:
     Aqk: torch.Tensor
     Akk: torch.Tensor
     initial_state: torch.Tensor | None
+    kept: Kept | None = None
 
 
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags):
@@ -67,10 +88,14 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags):
     beta_raw = beta
     if f.use_beta_sigmoid_in_kernel:
         beta = S.beta_sigmoid_fwd(beta_raw, f.beta_scale)
-    want_qg = S.cute_planned("fwd", q, v, initial_state)
+    want_qg = f.disable_recompute or S.cute_planned("fwd", q, v, initial_state)
     gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep(q, k, v, g, beta, A_log, dt_bias, f.lower_bound,
                                             f.use_gate_in_kernel, f.scale, f.chunk_size, want_qg)
     o, ht = S.fwd(q, qg, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale)
-    saved = Saved(q, q_rstd, k, k_rstd, v, None if f.use_gate_in_kernel else gk, g, beta_raw, beta,
-                  A_log, dt_bias, Aqk, Akk, initial_state)
+    kept = None
+    if f.disable_recompute:  # the states for the backward: fwd keeps none (b1: 1.4 ms at the ref shape)
+        h, v_new, _ = S.b1(kg, w, u, gk, initial_state, False)
+        kept = Kept(w, u, qg, kg, h, v_new)
+    saved = Saved(q, q_rstd, k, k_rstd, v, None if f.use_gate_in_kernel and not kept else gk, g, beta_raw,
+                  beta, A_log, dt_bias, Aqk, Akk, initial_state, kept)
     return o.to(q.dtype), ht, saved

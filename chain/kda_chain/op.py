@@ -1,7 +1,8 @@
 """`chunk_kda` as two torch.library custom ops, so torch.compile and torch.export see one opaque
 node per direction instead of a graph break:
 
-    kda::chunk_kda_fwd   forward.py  -> o, ht, and what the backward needs (fla's saved set)
+    kda::chunk_kda_fwd   forward.py  -> o, ht, and what the backward needs (fla's saved set; with
+                         disable_recompute also gk, w, u, qg, kg, h, v_new, as fla keeps them)
     kda::chunk_kda_bwd   backward.py -> dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 with fake (meta) implementations that give every output's shape and dtype from the inputs alone,
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from .autograd import device_guard
 from .backward import backward
-from .forward import Flags, Saved, forward
+from .forward import Flags, Kept, Saved, forward
 
 _EMPTY = (0,)
 
@@ -36,11 +37,15 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(_EMPTY)
 
 
-def _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, l2norm, gate, beta_sigmoid):
-    """(shape, dtype) of each output of kda::chunk_kda_fwd, None for an empty placeholder."""
+def _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, l2norm, gate, beta_sigmoid, keep):
+    """(shape, dtype) of each output of kda::chunk_kda_fwd, None for an empty placeholder. keep:
+    disable_recompute (gk and the forward's w, u, qg, kg, h, v_new are outputs too)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    NT = -(-T // 64)
     f32 = _f32(q)
+    kept = [((B, T, HV, K), k.dtype), ((B, T, HV, V), v.dtype), ((B, T, HV, K), k.dtype),
+            ((B, T, HV, K), k.dtype), ((B, NT, HV, K, V), k.dtype), ((B, T, HV, V), v.dtype)]
     return [
         ((B, T, HV, V), q.dtype),  # o
         ((B, HV, K, V), f32) if output_final_state else None,  # ht: fp32 (float64 for float64 q)
@@ -48,14 +53,17 @@ def _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, l2norm, gate,
         ((B, T, H), f32) if l2norm else None,  # q_rstd
         ((B, T, H, K), k.dtype) if l2norm else None,  # k, l2-normalized
         ((B, T, H), f32) if l2norm else None,  # k_rstd
-        ((B, T, HV, K), f32) if not gate else None,  # gk (recomputed in the backward with the gate)
+        ((B, T, HV, K), f32) if not gate or keep else None,  # gk (recomputed in the backward with the gate)
         ((B, T, HV), f32) if beta_sigmoid else None,  # beta after the sigmoid
         ((B, T, HV, 64), k.dtype),  # Aqk
         ((B, T, HV, 64), k.dtype),  # Akk
+        *(kept if keep else [None] * len(kept)),  # w, u, qg, kg, h, v_new
     ]
 
 
-_FWD_NAMES = ("o", "ht", "q", "q_rstd", "k", "k_rstd", "gk", "beta", "Aqk", "Akk")
+_FWD_NAMES = ("o", "ht", "q", "q_rstd", "k", "k_rstd", "gk", "beta", "Aqk", "Akk", "w", "u", "qg", "kg", "h",
+              "v_new")
+_KEPT = ("w", "u", "qg", "kg", "h", "v_new")
 
 
 def _expect(name: str, t: Tensor, meta) -> Tensor:
@@ -73,25 +81,26 @@ def chunk_kda_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None,
     initial_state: Tensor | None, scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
     use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
-    lower_bound: float | None,
+    lower_bound: float | None, disable_recompute: bool,
 ) -> list[Tensor]:
     f = Flags(scale, 64, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound)
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute)
     with device_guard(q):
         o, ht, s = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f)
+    kept = [None] * len(_KEPT) if s.kept is None else [getattr(s.kept, n) for n in _KEPT]
     got = [o, ht, s.q, s.q_rstd, s.k, s.k_rstd, s.gk, s.beta if use_beta_sigmoid_in_kernel else None,
-           s.Aqk, s.Akk]
+           s.Aqk, s.Akk, *kept]
     metas = _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                      use_gate_in_kernel, use_beta_sigmoid_in_kernel)
+                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, disable_recompute)
     return [_empty(q) if m is None else _expect(n, t, m)
             for n, t, m in zip(_FWD_NAMES, got, metas, strict=True)]
 
 
 @chunk_kda_fwd.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_qk_l2norm_in_kernel,
-      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound):
+      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute):
     metas = _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                      use_gate_in_kernel, use_beta_sigmoid_in_kernel)
+                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, disable_recompute)
     return [_empty(q) if m is None else q.new_empty(m[0], dtype=m[1]) for m in metas]
 
 
@@ -99,13 +108,16 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state
 def chunk_kda_bwd(
     do: Tensor, dht: Tensor | None, q: Tensor, q_rstd: Tensor | None, k: Tensor, k_rstd: Tensor | None,
     v: Tensor, gk: Tensor | None, g: Tensor, beta_raw: Tensor, beta: Tensor, A_log: Tensor | None,
-    dt_bias: Tensor | None, Aqk: Tensor, Akk: Tensor, initial_state: Tensor | None, scale: float,
-    use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+    dt_bias: Tensor | None, Aqk: Tensor, Akk: Tensor, initial_state: Tensor | None, w: Tensor | None,
+    u: Tensor | None, qg: Tensor | None, kg: Tensor | None, h: Tensor | None, v_new: Tensor | None,
+    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool, lower_bound: float | None,
 ) -> list[Tensor]:
+    keep = w is not None
     f = Flags(scale, 64, dht is not None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound)
-    s = Saved(q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state)
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, keep)
+    kept = Kept(w, u, qg, kg, h, v_new) if keep else None
+    s = Saved(q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state, kept)
     with device_guard(do):
         grads = backward(do.contiguous(), None if dht is None else dht.contiguous(), s, f)
     # each gradient in its input's dtype (fla's rule); absent ones as empty placeholders
@@ -116,29 +128,30 @@ def chunk_kda_bwd(
 
 @chunk_kda_bwd.register_fake
 def _(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state,
-      scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-      lower_bound):
+      w, u, qg, kg, h, v_new, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+      allow_neg_eigval, lower_bound):
     gate = use_gate_in_kernel
     likes = (q, k, v, g, beta_raw, A_log if gate else None, dt_bias if gate else None, initial_state)
     return [_empty(do) if t is None else torch.empty_like(t) for t in likes]
 
 
 _FLAG_NAMES = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-               "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound")
+               "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "disable_recompute")
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, A_log, dt_bias, initial_state, *flags = inputs
     f = dict(zip(_FLAG_NAMES, flags, strict=True))
-    _, _, qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk = output
+    _, _, qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk, *kept = output
     # the saved intermediates are outputs only to reach the backward: no gradient flows to them,
     # and none is materialized (zeros of every one of them: 0.49 ms and GBs at the reference shape)
-    ctx.mark_non_differentiable(qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk)
+    ctx.mark_non_differentiable(qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk, *kept)
     ctx.set_materialize_grads(False)
-    l2, sig = f["use_qk_l2norm_in_kernel"], f["use_beta_sigmoid_in_kernel"]
+    l2, sig, keep = f["use_qk_l2norm_in_kernel"], f["use_beta_sigmoid_in_kernel"], f["disable_recompute"]
     ctx.save_for_backward(qn if l2 else q, q_rstd if l2 else None, kn if l2 else k, k_rstd if l2 else None, v,
-                          None if f["use_gate_in_kernel"] else gk, g, beta, beta_act if sig else beta, A_log,
-                          dt_bias, Aqk, Akk, initial_state)
+                          None if f["use_gate_in_kernel"] and not keep else gk, g, beta,
+                          beta_act if sig else beta, A_log, dt_bias, Aqk, Akk, initial_state,
+                          *(kept if keep else [None] * len(kept)))
     ctx.flags = f
     ctx.has_ht = f["output_final_state"]
     ctx.o_shape, ctx.o_dtype = output[0].shape, output[0].dtype
@@ -154,7 +167,7 @@ def _backward(ctx, grads):
     saved = ctx.saved_tensors
     out = torch.ops.kda.chunk_kda_bwd(do, dht, *saved, f["scale"], f["use_qk_l2norm_in_kernel"],
                                       f["use_gate_in_kernel"], f["use_beta_sigmoid_in_kernel"],
-                                      f["allow_neg_eigval"], f["lower_bound"])
+                                      f["allow_neg_eigval"], f["lower_bound"])  # disable_recompute: w given
     dq, dk, dv, dg, db, dA_log, ddt_bias, dh0 = out
     has_a, has_d, has_h = ctx.needs
     gate = f["use_gate_in_kernel"]
@@ -169,5 +182,6 @@ def apply(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags) -> tuple[Te
     """The chain's fwd (+ registered bwd) through the custom ops: (o, ht or None)."""
     out = torch.ops.kda.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, f.scale,
                                       f.output_final_state, f.use_qk_l2norm_in_kernel, f.use_gate_in_kernel,
-                                      f.use_beta_sigmoid_in_kernel, f.allow_neg_eigval, f.lower_bound)
+                                      f.use_beta_sigmoid_in_kernel, f.allow_neg_eigval, f.lower_bound,
+                                      f.disable_recompute)
     return out[0], (out[1] if f.output_final_state else None)

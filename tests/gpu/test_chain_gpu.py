@@ -25,13 +25,15 @@ SHAPES = {
     "ragged_T": dict(B=2, T=1000, H=16, HV=16, K=128, V=128, dtype=torch.bfloat16),
     "gva_fp16": dict(B=2, T=1024, H=8, HV=16, K=128, V=128, dtype=torch.float16),
     "ref": dict(B=16, T=8192, H=16, HV=16, K=128, V=256, dtype=torch.bfloat16),
+    # fla's disable_recompute on both sides: the forward keeps w, u, qg, kg, h, v_new
+    "disable_recompute": dict(B=2, T=4096, H=16, HV=16, K=128, V=128, dtype=torch.bfloat16, keep=True),
 }
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
              output_final_state=True)
 _results: dict = {}
 
 
-def make(B, T, H, HV, K, V, dtype, seed=0):
+def make(B, T, H, HV, K, V, dtype, seed=0, keep=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def r(*s, dt=dtype, scale=1.0):
@@ -44,16 +46,16 @@ def make(B, T, H, HV, K, V, dtype, seed=0):
     return x, dict(do=r(B, T, HV, V), dht=r(B, HV, K, V, dt=torch.float32))
 
 
-def forward(fn, leaves):
-    """fn (a chunk_kda) on the inputs of `make` with FLAGS -> (o, ht)."""
+def forward(fn, leaves, **extra):
+    """fn (a chunk_kda) on the inputs of `make` with FLAGS (and `extra`) -> (o, ht)."""
     return fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], A_log=leaves["A_log"],
-              dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"], **FLAGS)
+              dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"], **FLAGS, **extra)
 
 
-def run(fn, x, cot, dtype=None):
+def run(fn, x, cot, dtype=None, **extra):
     names = list(x)
     leaves = {n: (t.to(dtype) if dtype else t).detach().requires_grad_(True) for n, t in x.items()}
-    o, ht = forward(fn, leaves)
+    o, ht = forward(fn, leaves, **extra)
     do, dht = (c.to(dtype or c.dtype) for c in (cot["do"], cot["dht"]))
     ((o * do.to(o.dtype)).sum() + (ht * dht.to(ht.dtype)).sum()).backward()
     out = {"o": o.detach(), "ht": ht.detach()}
@@ -69,10 +71,13 @@ def test_chain_within_2x_of_fla_error(shape):
     from kda_cute.reference import chunk_kda_reference, rel_err
 
     x, cot = make(**SHAPES[shape])
+    keep = dict(disable_recompute=True) if SHAPES[shape].get("keep") else {}
     reset_dispatch_log()
-    ours = run(chunk_kda, x, cot)
+    ours = run(chunk_kda, x, cot, **keep)
     choices = {c.stage: (c.impl, c.reason) for c in dispatch_log()}
-    fla = run(fla_kda, x, cot)
+    if keep:
+        assert "recompute_w_u" not in choices and "chunk_kda" not in choices, choices
+    fla = run(fla_kda, x, cot, **keep)
     ref = run(chunk_kda_reference, x, cot, dtype=torch.float64)
     rows = {}
     for name, want in ref.items():
@@ -89,7 +94,7 @@ def test_chain_within_2x_of_fla_error(shape):
     assert not bad, f"errors worse than 2x fla's (ours, fla): {bad}; stages: {choices}"
 
 
-def _held_after_forward(fn, x):
+def _held_after_forward(fn, x, **extra):
     """Bytes the forward leaves allocated for the backward (its saved activations), the outputs
     excluded: allocated after the forward (graph alive) minus before, minus o and ht."""
     import gc
@@ -98,7 +103,7 @@ def _held_after_forward(fn, x):
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    o, ht = forward(fn, leaves)
+    o, ht = forward(fn, leaves, **extra)
     torch.cuda.synchronize()
     outs = o.untyped_storage().nbytes() + ht.untyped_storage().nbytes()
     held = torch.cuda.memory_allocated() - before - outs
@@ -107,17 +112,26 @@ def _held_after_forward(fn, x):
     return held
 
 
-def test_saved_activations_no_more_than_fla():
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "disable_recompute"])
+def test_saved_activations_no_more_than_fla(keep):
     """The memory standard: the chain keeps no more for its backward than fla's chunk_kda does
-    (both recompute w, u, h in the backward), nothing pinned across calls (a second call holds
-    the same), and outputs are fresh per call."""
+    (both recompute w, u, h in the backward; with disable_recompute both keep them), nothing
+    pinned across calls (a second call holds the same), and outputs are fresh per call. The bytes
+    held go to $OUT/memory.json when $OUT is set."""
     from fla.ops.kda import chunk_kda as fla_kda
     from kda_chain import chunk_kda
 
     # the bench's small shape (fla has autotuned it): fwd, b1 and intra run their CuTe kernels
     x, _ = make(B=2, T=4096, H=16, HV=16, K=128, V=128, dtype=torch.bfloat16)
-    fla_kda_held = _held_after_forward(fla_kda, x)
-    ours = [_held_after_forward(chunk_kda, x) for _ in range(2)]
+    extra = dict(disable_recompute=True) if keep else {}
+    fla_kda_held = _held_after_forward(fla_kda, x, **extra)
+    ours = [_held_after_forward(chunk_kda, x, **extra) for _ in range(2)]
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "memory.json")
+        rec = json.load(open(path)) if os.path.exists(path) else {}
+        rec["disable_recompute" if keep else "recompute"] = {"ours_bytes": ours[0], "fla_bytes": fla_kda_held}
+        with open(path, "w") as f:
+            json.dump(rec, f, indent=1)
     slack = 1 << 20  # allocator rounding of a few small tensors
     assert ours[0] <= fla_kda_held + slack, f"ours holds {ours[0]} B for the backward, fla {fla_kda_held} B"
     assert abs(ours[1] - ours[0]) <= slack, f"a second call holds {ours[1]} B, the first {ours[0]} B"

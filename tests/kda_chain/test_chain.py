@@ -198,6 +198,34 @@ def test_dAv_folds_into_cute_dhu_and_wy_dqkg(fused, monkeypatch):
         assert rel_err(a, b) < 1e-12, n
 
 
+@pytest.mark.parametrize("gate", [True, False])
+def test_disable_recompute_keeps_the_forward_and_skips_the_recompute(gate):
+    """disable_recompute (fla's flag): the forward keeps w, u, qg, kg, h, v_new (b1 runs there,
+    once) and gk; the backward runs no gate cumsum, recompute_w_u or b1; every output and gradient
+    equals the recompute path's (float64 reference stages: to rounding)."""
+    x = _inputs(T=200, H=2, HV=4)  # ragged T, GVA
+    kw = dict(use_gate_in_kernel=gate, A_log=x["A_log"], initial_state=x["initial_state"],
+              output_final_state=True)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def run(**extra):
+        for n in names:
+            x[n].grad = None
+        reset_dispatch_log()
+        o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw, **extra)
+        (o.sum() + ht.sum()).backward()
+        outs = [o.detach(), ht.detach(), *(x[n].grad.clone() for n in names)]
+        return outs, [c.stage for c in dispatch_log()]
+
+    want, stages0 = run()
+    got, stages1 = run(disable_recompute=True)
+    assert "recompute_w_u" in stages0 and "recompute_w_u" not in stages1
+    assert stages1.count("b1") == 1 and stages1.count("gate_chunk_cumsum") == 0
+    assert stages1.index("b1") < stages1.index("dhu")  # in the forward, before the backward's scans
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-12
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda x: x.update(k=x["k"][:, :, :1]), "q and k must have the same shape"),
     (lambda x: x.update(v=x["v"][:, :, :3]), "must be a multiple of H"),
@@ -228,7 +256,7 @@ def test_gate_in_kernel_needs_A_log_and_neg_eigval_needs_sigmoid():
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(cu_seqlens=torch.tensor([0, 64]), disable_recompute=True), "cu_seqlens"),  # alone: test_varlen.py
+    (dict(cu_seqlens=torch.tensor([0, 64]), safe_gate=True), "cu_seqlens"),  # alone: test_varlen.py
     (dict(safe_gate=True), "safe_gate"),
     (dict(state_v_first=True), "state_v_first"),
     (dict(chunk_size=32), "chunk_size 32"),

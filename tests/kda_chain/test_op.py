@@ -1,7 +1,8 @@
 """chunk_kda as torch.library custom ops (kda::chunk_kda_fwd / kda::chunk_kda_bwd) on CPU: the
 fake implementations agree with the real ones (shapes, dtypes) in every flag combination, GVA and
-the final state; opcheck's registration tests pass; torch.compile(fullgraph=True) of a model that
-calls chunk_kda compiles with no graph break and matches eager."""
+the final state, disable_recompute's kept tensors; opcheck's registration tests pass;
+torch.compile(fullgraph=True) of a model that calls chunk_kda compiles with no graph break and
+matches eager."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ CASES = {  # name: (B, T, H, HV, K, V, dtype, flags)
                         dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)),
     "gva_lower_bound": (1, 64, 1, 3, 16, 16, torch.float32,
                         dict(use_gate_in_kernel=True, lower_bound=-5.0, output_final_state=True)),
+    "disable_recompute_gva": (2, 100, 1, 2, 16, 8, torch.float32,
+                              dict(use_gate_in_kernel=True, output_final_state=True, disable_recompute=True)),
 }
 
 
@@ -41,13 +44,13 @@ def _inputs(B, T, H, HV, K, V, dtype, flags, seed=0, h0=True):
 
 def _op_args(x, flags):
     names = ("output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-             "use_beta_sigmoid_in_kernel", "allow_neg_eigval")
+             "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "disable_recompute")
     on = {n: flags.get(n, False) for n in names}
     f = Flags(scale=x["q"].shape[-1] ** -0.5, chunk_size=64, lower_bound=flags.get("lower_bound"), **on)
     tensors = (*(x[n] for n in ("q", "k", "v", "g", "beta")),
                *(x.get(n) for n in ("A_log", "dt_bias", "initial_state")))
     return (*tensors, f.scale, f.output_final_state, f.use_qk_l2norm_in_kernel, f.use_gate_in_kernel,
-            f.use_beta_sigmoid_in_kernel, f.allow_neg_eigval, f.lower_bound)
+            f.use_beta_sigmoid_in_kernel, f.allow_neg_eigval, f.lower_bound, f.disable_recompute)
 
 
 @pytest.mark.parametrize("case", list(CASES))
