@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--l2norm", action=flag, default=True, help="use_qk_l2norm_in_kernel (default on)")
     p.add_argument("--initial-state", action=flag, default=True, help="pass h0 (default on)")
     p.add_argument("--final-state", action=flag, default=True, help="output_final_state (default on)")
+    p.add_argument("--disable-recompute", action=flag, default=False,
+                   help="disable_recompute: the forward keeps w, u, h for the backward (default off)")
     p.add_argument("--reps", type=at_least(1), default=5,
                    help="timed calls after one warm-up, median reported (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
@@ -126,7 +128,7 @@ def make_inputs(a: argparse.Namespace, device: str) -> tuple[dict, dict, dict]:
     if a.initial_state:
         x["initial_state"] = rnd(a.B, a.HV, a.K, a.V, dtype=torch.float32, scale=0.1)
     flags = {"use_qk_l2norm_in_kernel": a.l2norm, "use_gate_in_kernel": a.gate_in_kernel,
-                 "output_final_state": a.final_state}
+             "output_final_state": a.final_state, "disable_recompute": a.disable_recompute}
     cot = {"do": rnd(a.B, a.T, a.HV, a.V)}
     if a.final_state:
         cot["dht"] = rnd(a.B, a.HV, a.K, a.V, dtype=torch.float32)
@@ -175,7 +177,8 @@ def main(argv=None) -> int:
     device = "cuda" if cuda else "cpu"
     shape = f"B{a.B} T{a.T} H{a.H} HV{a.HV} K{a.K} V{a.V} {str(a.dtype).removeprefix('torch.')}"
     print(f"kda-witness: chunk_kda fwd+bwd at {shape}; gate_in_kernel={a.gate_in_kernel} "
-          f"l2norm={a.l2norm} initial_state={a.initial_state} final_state={a.final_state}")
+          f"l2norm={a.l2norm} initial_state={a.initial_state} final_state={a.final_state} "
+          f"disable_recompute={a.disable_recompute}")
     if cuda:
         major, minor = torch.cuda.get_device_capability()
         print(f"device: {torch.cuda.get_device_name()} (sm_{major}{minor})")
@@ -232,8 +235,9 @@ def main(argv=None) -> int:
     if cuda:  # the reference below is the memory peak at large shapes
         torch.cuda.empty_cache()
     progress(f"float64 reference on {where}")
+    ref_flags = {n: f for n, f in flags.items() if n != "disable_recompute"}  # no effect on the result
     try:
-        ref = fwd_bwd(chunk_kda_reference, x, flags, cot, dtype=torch.float64)
+        ref = fwd_bwd(chunk_kda_reference, x, ref_flags, cot, dtype=torch.float64)
     except torch.OutOfMemoryError:
         print(f"\nthe float64 reference ran out of {device} memory at this shape: accuracy NOT checked")
         return 2
