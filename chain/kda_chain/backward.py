@@ -2,8 +2,9 @@
 
     gate_chunk_cumsum          recompute gk, only when the gate runs in kernel (not saved)
     recompute_w_u              w, u, qg, kg from Akk
-    b1                         kda_cute_b1: re-scan h for every chunk and v_new
-                               (these three skipped with disable_recompute: the forward kept them)
+    b1                         kda_cute_b1: re-scan h for every chunk and v_new (these three
+                               skipped with disable_recompute: the forward kept them); on small
+                               grids on a second stream, beside dhu (which does not read its outputs)
     dhu                        kda_cute_dhu: reverse scan -> dh per chunk, dh0, dv2, with bwd_dAv's
                                dv = tril(Aqk)^T do computed inside (the fused form: Aqk, no dv)
     bwd_wy_dqkg                dq, dk, dv, db, dg, dAkk through the WY form and the states; with
@@ -20,12 +21,60 @@
 
 from __future__ import annotations
 
+import contextlib
+from functools import cache
+
 import torch
 
 from . import stages as S
 from .forward import Flags, Saved
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+_SIDE: dict = {}  # device -> the second stream b1 runs on beside dhu (one per device, process-wide)
+
+
+@cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _side_stream(do: torch.Tensor, v: torch.Tensor):
+    """A second stream for b1 while the fused dhu runs on the current one, where the scans' grids
+    leave most SMs idle (at most one 64-wide V tile per SM: B * HV * V / 64 <= SM count; both walk
+    the chunks serially, so each alone is latency-bound there), else None. Not while a CUDA graph
+    is being captured (the graph then holds the one-stream order; results are equal either way:
+    the kernels are deterministic and independent)."""
+    if do.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    B, _, HV, V = v.shape
+    if B * HV * V // 64 > _sm_count(do.device):
+        return None
+    st = _SIDE.get(do.device)
+    if st is None:
+        st = _SIDE[do.device] = torch.cuda.Stream(device=do.device)
+    return st
+
+
+@contextlib.contextmanager
+def _forked(side):
+    """Run the block on `side` after the current stream's work so far (no-op without a side)."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def _join(side, *made_there):
+    """The current stream waits for `side`; the tensors allocated there are marked used here (the
+    caching allocator then waits for this stream's work before reusing their memory)."""
+    main = torch.cuda.current_stream(side.device)
+    main.wait_stream(side)
+    for t in made_there:
+        t.record_stream(main)
 
 
 def backward(do, dht, s: Saved, f: Flags):
@@ -39,18 +88,25 @@ def backward(do, dht, s: Saved, f: Flags):
         if gk is None:
             gk = S.gate_chunk_cumsum(s.g, s.A_log, s.dt_bias, f.lower_bound, f.chunk_size, True)
         w, u, qg, kg = S.recompute_w_u(q, k, v, beta, s.Akk, gk)
-        h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False)
     # bwd_dAv's two products live in the CuTe kernels that hold their operands: dv = tril(Aqk)^T do
     # in dhu's reverse scan, dAqk = scale tril(do v_new^T) in wy_dqkg's V walk. Where either stage
     # is not the CuTe kernel, bwd_dAv runs (with that stage's reason in the record).
     dhu_in = (qg, kg, w, gk, s.initial_state, dht, do)
     impl, reason = S.dhu.choose(*dhu_in, None, f.scale, s.Aqk)
+    fused = impl.name == "cute"
+    # the fused dhu needs nothing of b1's: on small grids the two serial scans overlap (`_side_stream`)
+    side = _side_stream(do, v) if fused and s.kept is None else None
+    if s.kept is None:
+        with _forked(side):
+            h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False)
     dAqk = None
-    if impl.name == "cute":
+    if fused:
         dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, None, f.scale, s.Aqk)
     else:
         dAqk, dv = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
         dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, dv, f.scale)
+    if side is not None:
+        _join(side, h, v_new)  # before b1's inputs are freed below
     del qg, kg, w, u
     wy_in = (q, k, v, v_new, gk, beta, s.Akk, h, do, dh, dv, f.scale)
     if dAqk is None:

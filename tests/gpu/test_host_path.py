@@ -103,6 +103,25 @@ def test_cuda_graph_replay_equals_eager():
         assert torch.equal(a, b), f"output {i} differs after replay"
 
 
+def test_b1_beside_dhu_equals_one_stream(monkeypatch):
+    """On a small grid (B1 T4096 H16 V128: 32 V tiles) the backward runs b1 on a second stream
+    beside the fused dhu; every output and gradient equals the one-stream order bit for bit."""
+    from kda_chain import backward as bwd
+
+    x = {n: t.requires_grad_(True) for n, t in _inputs(1, 4096, 16, 16).items()}
+    do = torch.randn(1, 4096, 16, 128, device="cuda", dtype=torch.bfloat16)
+    dht = torch.randn(1, 16, 128, 128, device="cuda")
+    used = []
+    real = bwd._side_stream
+    monkeypatch.setattr(bwd, "_side_stream", lambda *a: used.append(real(*a)) or used[-1])
+    two = _step(x, do, dht)
+    assert used and used[0] is not None, "the small grid should have taken the second stream"
+    monkeypatch.setattr(bwd, "_side_stream", lambda *a: None)
+    one = _step(x, do, dht)
+    for i, (a, b) in enumerate(zip(two, one, strict=True)):
+        assert torch.equal(a, b), f"output {i} differs between two streams and one"
+
+
 def test_short_soak_is_flat_and_deterministic():
     """100 fwd+bwd calls whose T changes every call (B, heads among a few values): every result
     finite, memory back to its level after the first round of shapes, the dispatch log bounded,
