@@ -139,6 +139,20 @@ def _build_kernel_class():
         row = d0 + (1 - hi) * (first + m) + hi * (m - 8 + first // 2 + 4 * qd)
         return row, d0 + (1 - hi) * 7 + hi * (3 + 8 * qd)
 
+    def _slot_rows(coords, base, sl, diag, first):
+        """Each operand register's (token row, anchor row), fixed over the K walk: base + slot and
+        the block's anchor sl, or `_diag_slot`'s on a diagonal block (first: 8 for A, 0 for B)."""
+        n = cute.size(coords)
+        rows = cute.make_rmem_tensor(cute.make_layout(n), cutlass.Int32)
+        anc = cute.make_rmem_tensor(cute.make_layout(n), cutlass.Int32)
+        for ei in range(n):  # a plain function, traced inline: Python loops unroll
+            m, _ = coords[ei]
+            rows[ei] = base + m
+            anc[ei] = sl
+            if diag:
+                rows[ei], anc[ei] = _diag_slot(base, m, first)
+        return rows, anc
+
     def _diag_pair(m, n):
         """1 where slot pair (m, n) of `_diag_slot` is one of its three quadrants' pairs, else 0."""
         hm, hn = m // 8, n // 8
@@ -202,23 +216,8 @@ def _build_kernel_class():
             cA = thr.partition_A(cute.make_identity_tensor((BC, 8)))  # (m, k) per register
             cB = thr.partition_B(cute.make_identity_tensor((BC, 8)))  # (n, k)
             cC = thr.partition_C(cute.make_identity_tensor((BC, BC)))  # (m, n)
-            # each operand register's token row and anchor row (fixed over the K walk)
-            rowA = cute.make_rmem_tensor(cute.make_layout(cute.size(cA)), cutlass.Int32)
-            ancA = cute.make_rmem_tensor(cute.make_layout(cute.size(cA)), cutlass.Int32)
-            rowB = cute.make_rmem_tensor(cute.make_layout(cute.size(cB)), cutlass.Int32)
-            ancB = cute.make_rmem_tensor(cute.make_layout(cute.size(cB)), cutlass.Int32)
-            for ei in cutlass.range_constexpr(cute.size(cA)):
-                ma, _ = cA[ei]
-                rowA[ei] = r0 + ma
-                ancA[ei] = sl
-                if cutlass.const_expr(diag):
-                    rowA[ei], ancA[ei] = _diag_slot(r0, ma, 8)
-            for ei in cutlass.range_constexpr(cute.size(cB)):
-                nb, _ = cB[ei]
-                rowB[ei] = s0 + nb
-                ancB[ei] = sl
-                if cutlass.const_expr(diag):
-                    rowB[ei], ancB[ei] = _diag_slot(s0, nb, 0)
+            rowA, ancA = _slot_rows(cA, r0, sl, diag, 8)
+            rowB, ancB = _slot_rows(cB, s0, sl, diag, 0)
             fAq = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
             fAk = cute.make_rmem_tensor(cA.shape, cutlass.TFloat32)
             fB = cute.make_rmem_tensor(cB.shape, cutlass.TFloat32)
