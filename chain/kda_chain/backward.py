@@ -68,11 +68,10 @@ def _forked(side):
         yield
 
 
-def _join(side, *made_there):
-    """The current stream waits for `side`; the tensors allocated there are marked used here (the
-    caching allocator then waits for this stream's work before reusing their memory)."""
+def _made_on(side, *made_there):
+    """Once the current stream has waited for `side`: the tensors allocated there are marked used
+    here (the caching allocator then waits for this stream's work before reusing their memory)."""
     main = torch.cuda.current_stream(side.device)
-    main.wait_stream(side)
     for t in made_there:
         t.record_stream(main)
 
@@ -96,18 +95,22 @@ def backward(do, dht, s: Saved, f: Flags):
     fused = impl.name == "cute"
     # the fused dhu needs nothing of b1's: on small grids the two serial scans overlap (`_side_stream`)
     side = _side_stream(do, v) if fused and s.kept is None else None
-    if s.kept is None:
-        with _forked(side):
-            h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False)
     dAqk = None
-    if fused:
-        dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, None, f.scale, s.Aqk)
-    else:
-        dAqk, dv = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
-        dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, dv, f.scale)
+    try:
+        if s.kept is None:
+            with _forked(side):
+                h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False)
+        if fused:
+            dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, None, f.scale, s.Aqk)
+        else:
+            dAqk, dv = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
+            dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, dv, f.scale)
+    finally:  # joined before b1's inputs can be freed (below, or by an exception's unwinding)
+        if side is not None:
+            torch.cuda.current_stream(side.device).wait_stream(side)
     if side is not None:
-        _join(side, h, v_new)  # before b1's inputs are freed below
-    del qg, kg, w, u
+        _made_on(side, h, v_new)
+    del qg, kg, w, u, dhu_in  # (the argument tuples hold references too)
     wy_in = (q, k, v, v_new, gk, beta, s.Akk, h, do, dh, dv, f.scale)
     if dAqk is None:
         impl, reason = S.bwd_wy_dqkg.choose(*wy_in, want_dAqk=True)
@@ -118,7 +121,7 @@ def backward(do, dht, s: Saved, f: Flags):
             dAqk, _ = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
     else:
         dq, dk, dv, db, dg, dAkk = S.bwd_wy_dqkg(*wy_in)
-    del h, dh, v_new
+    del h, dh, v_new, wy_in
 
     args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
     flags = dict(fold_dg=True, emit_bf16=HV == H and q.dtype in _HALF)
@@ -128,6 +131,7 @@ def backward(do, dht, s: Saved, f: Flags):
     else:
         dq, dk, db, dg = S.intra.run(impl, reason, *args)
         dg = S.dg_cumsum(dg, f.chunk_size)
+    del args, dAqk, dAkk  # wy_dqkg's fp32 dq, dk, db, dg and the A gradients
 
     if HV > H:
         dq = S.gva_sum(dq, H)

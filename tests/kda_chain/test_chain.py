@@ -226,6 +226,44 @@ def test_disable_recompute_keeps_the_forward_and_skips_the_recompute(gate):
         assert rel_err(a, b) < 1e-12
 
 
+def test_backward_frees_the_scans_outputs_before_intra(monkeypatch):
+    """Memory: by the time intra runs, the backward holds none of b1's h, v_new, dhu's dh, dv2 or
+    recompute_w_u's w, kg, qg (at the reference shape ~8 GB; the argument tuples once kept them)."""
+    import weakref
+
+    from kda_cute import reference as ref
+
+    x = _inputs(T=128, H=2, HV=2)
+    refs = {}
+
+    def recording(stage, fn, names):
+        def call(*a, **k):
+            out = fn(*a, **k)
+            for n, t in zip(names, out, strict=False):
+                if n and t is not None:
+                    refs[n] = weakref.ref(t)
+            return out
+        return S.Impl("cute", lambda *a, **k: None, call)
+
+    def intra_checks(*a, **k):
+        alive = [n for n, r in refs.items() if r() is not None]
+        assert not alive, f"still held when intra runs: {alive}"
+        return ref.bwd_intra(*a, **k)
+
+    fakes = {"recompute_w_u": (ref.recompute_w_u, ("w", "u", "qg", "kg")), "b1": (ref.fwd_h, ("h", "v_new")),
+             "dhu": (ref.bwd_dhu, ("dh", "", "dv2"))}  # dh0 is a result: kept
+    for st, (fn, names) in fakes.items():
+        monkeypatch.setattr(S.STAGES[st], "impls", [recording(st, fn, names), *S.STAGES[st].impls[1:]])
+    checker = S.Impl("cute", lambda *a, **k: None, intra_checks)
+    monkeypatch.setattr(S.intra, "impls", [checker, *S.intra.impls[1:]])
+    for st in (*fakes, "intra"):
+        S.STAGES[st].decided.clear()
+    o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"])
+    refs.clear()  # the forward's b1 does not run here (no disable_recompute); start with the backward
+    o.sum().backward()
+    assert {"h", "v_new", "dh", "dv2", "w", "kg", "qg"} <= set(refs)  # recorded in the backward
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda x: x.update(k=x["k"][:, :, :1]), "q and k must have the same shape"),
     (lambda x: x.update(v=x["v"][:, :, :3]), "must be a multiple of H"),

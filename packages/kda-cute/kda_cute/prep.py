@@ -722,9 +722,16 @@ def _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg: PrepConfig, outs):
     want_qg kg's storage stands in for qg (never written)."""
     gk, w, u, qg, kg, aqk, akk = outs
     stand_in = gk.view(-1, gk.shape[-1])
-    a = A_log.detach().float().reshape(1, -1).contiguous() if cfg.gate != "none" else stand_in
-    bias = dt_bias.detach().float().reshape(cfg.HV, cfg.K).contiguous() if cfg.has_bias else stand_in
+    a = _aligned(A_log.detach().float().reshape(1, -1)) if cfg.gate != "none" else stand_in
+    bias = _aligned(dt_bias.detach().float().reshape(cfg.HV, cfg.K)) if cfg.has_bias else stand_in
     return (q, k, v, g, beta, a, bias, w, u, kg if qg is None else qg, kg, aqk, akk, gk)
+
+
+def _aligned(t):
+    """t contiguous and 16-byte aligned (every view is assumed so): a copy only when it is not (a
+    slice of a packed parameter buffer; A_log and dt_bias are HV and HV * K floats)."""
+    return t.contiguous() if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(
+        memory_format=torch.contiguous_format)
 
 
 def _build(views, stream, cfg: PrepConfig, options: str = ""):
