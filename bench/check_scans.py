@@ -28,8 +28,7 @@ import kda_cute.dhu as dhu
 import kda_cute.fwd as fwd
 import torch
 from cuda_clock import median_ms  # bench/ (this script's directory)
-from kda_chain import testing
-from kda_chain.testing import scan_inputs
+from kda_chain.testing import fla_dhu, scan_inputs  # fla_dhu: fla's bwd_dAv + bwd_dhu, what dhu replaces
 from kda_cute import reference as ref
 from kda_cute.reference import rel_err
 
@@ -99,11 +98,6 @@ def ours_dhu(d, var=None, mod=dhu):
     return mod.bwd_dhu(
         d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["dht"], d["do"], None, d["scale"], d["Aqk"], **kw
     )
-
-
-def fla_dhu(d):
-    """fla's bwd_dAv (for its dv) + bwd_dhu: what the fused kda_cute_dhu replaces."""
-    return testing.fla_dhu(d)
 
 
 def poisoned(fn, *a, **kw):

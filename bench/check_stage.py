@@ -20,10 +20,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from cuda_clock import median_ms
+
+
+def _fla_dAqk(calls) -> tuple:
+    """The dAqk fla's bwd_dAv computes for the intra stage, on a chain call's captured arguments
+    (wy_dqkg's, and fwd's Aqk): what kda_cute_wy_dqkg's want_dAqk output replaces."""
+    from kda_chain import stages as S
+
+    q, k, _, v_new, _, _, _, _, do, _, _, scale = calls["bwd_wy_dqkg"]
+    return (S._fla_bwd_dAv(q, k, v_new, do, calls["fwd"][6], scale)[0],)
 
 
 @dataclass(frozen=True)
@@ -33,12 +43,14 @@ class StageCheck:
     fla: str  # its fla adapter in kda_chain.stages
     names: tuple[str, ...]
     flags: tuple[tuple[str, object], ...] = ()  # the keyword flags the chain passes the CuTe kernel
+    fla_extra: Callable | None = None  # calls -> the outputs those flags add, as fla computes them
 
 
 CHECKS = {
     # with want_dAqk, as the chain calls it: fla's side is its wy_dqkg + its bwd_dAv's dAqk
     "bwd_wy_dqkg": StageCheck("wy_dqkg", "bwd_wy_dqkg", "_fla_bwd_wy_dqkg",
-                              ("dq", "dk", "dv2", "db", "dg", "dAkk", "dAqk"), (("want_dAqk", True),)),
+                              ("dq", "dk", "dv2", "db", "dg", "dAkk", "dAqk"), (("want_dAqk", True),),
+                              _fla_dAqk),
     "fwd_prep": StageCheck("prep", "fwd_prep", "_fla_fwd_prep", ("gk", "w", "u", "qg", "kg", "Aqk", "Akk")),
 }
 
@@ -92,10 +104,7 @@ def ours_fla(stage, calls):
 
     def fla():
         out = getattr(S, c.fla)(*args)
-        if stage == "bwd_wy_dqkg":  # + the dAqk that fla's bwd_dAv computes for the intra stage
-            q, k, _, v_new, _, _, _, _, do, _, _, scale = args
-            out = (*out, S._fla_bwd_dAv(q, k, v_new, do, calls["fwd"][6], scale)[0])  # fwd's Aqk
-        return out
+        return out if c.fla_extra is None else (*out, *c.fla_extra(calls))
 
     return (lambda: getattr(mod, c.contract)(*args, **dict(c.flags))), fla, mod
 

@@ -22,9 +22,10 @@
 from __future__ import annotations
 
 import contextlib
-from functools import cache
 
 import torch
+from kda_cute._common.support import sm_count_of
+from kda_cute.scan_policy import v_tiles
 
 from . import stages as S
 from .forward import Flags, Saved
@@ -33,11 +34,6 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 _SIDE: dict = {}  # device -> the second stream b1 runs on beside dhu (one per device, process-wide)
-
-
-@cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _side_stream(do: torch.Tensor, v: torch.Tensor):
@@ -49,7 +45,7 @@ def _side_stream(do: torch.Tensor, v: torch.Tensor):
     if do.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     B, _, HV, V = v.shape
-    if B * HV * V // 64 > _sm_count(do.device):
+    if v_tiles(B, HV, V) > sm_count_of(do):
         return None
     st = _SIDE.get(do.device)
     if st is None:

@@ -19,6 +19,8 @@ ever returned another dtype fails loudly instead of disagreeing with the compile
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 from torch import Tensor
 
@@ -61,9 +63,8 @@ def _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, l2norm, gate,
     ]
 
 
-_FWD_NAMES = ("o", "ht", "q", "q_rstd", "k", "k_rstd", "gk", "beta", "Aqk", "Akk", "w", "u", "qg", "kg", "h",
-              "v_new")
-_KEPT = ("w", "u", "qg", "kg", "h", "v_new")
+_KEPT = tuple(fld.name for fld in fields(Kept))  # w, u, qg, kg, h, v_new: _fwd_meta's order
+_FWD_NAMES = ("o", "ht", "q", "q_rstd", "k", "k_rstd", "gk", "beta", "Aqk", "Akk", *_KEPT)
 
 
 def _expect(name: str, t: Tensor, meta) -> Tensor:
