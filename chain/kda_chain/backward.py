@@ -74,6 +74,13 @@ def _made_on(side, *made_there):
 
 def backward(do, dht, s: Saved, f: Flags):
     """-> dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 (fla's dtypes)."""
+    saved = [t for n, t in vars(s).items() if n != "kept"]
+    kept = () if s.kept is None else tuple(vars(s.kept).values())
+    with S.planned("bwd", do, dht, *saved, *kept, f):
+        return _backward(do, dht, s, f)
+
+
+def _backward(do, dht, s: Saved, f: Flags):
     q, k, v, beta = s.q, s.k, s.v, s.beta
     H, HV = q.shape[2], v.shape[2]
     gk = s.gk

@@ -29,7 +29,7 @@ import torch
 from . import stages as S
 
 
-@dataclass
+@dataclass(frozen=True)
 class Flags:
     scale: float
     chunk_size: int
@@ -81,6 +81,11 @@ class Saved:
 
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags):
     """-> o (q's dtype), ht (fp32 or None), Saved."""
+    with S.planned("fwd", q, k, v, g, beta, A_log, dt_bias, initial_state, f):
+        return _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f)
+
+
+def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags):
     q_rstd = k_rstd = None
     if f.use_qk_l2norm_in_kernel:
         q, q_rstd = S.l2norm_fwd(q)

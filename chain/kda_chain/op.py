@@ -15,6 +15,10 @@ Output dtypes are fla 0.6.0's (what its kernels allocate): o, the normalized q /
 in q's dtype, rstd / gk / the activated beta in fp32 (fp64 for fp64 inputs, the reference's
 precision). The real implementation checks its results against them (`_expect`), so a stage that
 ever returned another dtype fails loudly instead of disagreeing with the compiled graph.
+
+An eager call (no tracing, no dispatch mode) runs the same two bodies and autograd formula through
+a plain autograd.Function (`_Eager`) instead: the custom-op dispatch costs host time per call that
+a host-bound step pays in full.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import fields
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .autograd import device_guard
 from .backward import backward
@@ -77,13 +82,10 @@ def _expect(name: str, t: Tensor, meta) -> Tensor:
     return t.contiguous()
 
 
-@torch.library.custom_op("kda::chunk_kda_fwd", mutates_args=())
-def chunk_kda_fwd(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None,
-    initial_state: Tensor | None, scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
-    lower_bound: float | None, disable_recompute: bool,
-) -> list[Tensor]:
+def _fwd_body(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+              use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+              lower_bound, disable_recompute) -> list[Tensor]:
+    """kda::chunk_kda_fwd's implementation (also the eager path's forward: `_Eager`)."""
     f = Flags(scale, 64, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute)
     with device_guard(q):
@@ -97,6 +99,18 @@ def chunk_kda_fwd(
             for n, t, m in zip(_FWD_NAMES, got, metas, strict=True)]
 
 
+@torch.library.custom_op("kda::chunk_kda_fwd", mutates_args=())
+def chunk_kda_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None,
+    initial_state: Tensor | None, scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
+    lower_bound: float | None, disable_recompute: bool,
+) -> list[Tensor]:
+    return _fwd_body(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                     use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                     allow_neg_eigval, lower_bound, disable_recompute)
+
+
 @chunk_kda_fwd.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_qk_l2norm_in_kernel,
       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute):
@@ -105,15 +119,10 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state
     return [_empty(q) if m is None else q.new_empty(m[0], dtype=m[1]) for m in metas]
 
 
-@torch.library.custom_op("kda::chunk_kda_bwd", mutates_args=())
-def chunk_kda_bwd(
-    do: Tensor, dht: Tensor | None, q: Tensor, q_rstd: Tensor | None, k: Tensor, k_rstd: Tensor | None,
-    v: Tensor, gk: Tensor | None, g: Tensor, beta_raw: Tensor, beta: Tensor, A_log: Tensor | None,
-    dt_bias: Tensor | None, Aqk: Tensor, Akk: Tensor, initial_state: Tensor | None, w: Tensor | None,
-    u: Tensor | None, qg: Tensor | None, kg: Tensor | None, h: Tensor | None, v_new: Tensor | None,
-    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool, lower_bound: float | None,
-) -> list[Tensor]:
+def _bwd_body(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk,
+              initial_state, w, u, qg, kg, h, v_new, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound) -> list[Tensor]:
+    """kda::chunk_kda_bwd's implementation (also the eager path's backward: `_Eager`)."""
     keep = w is not None
     f = Flags(scale, 64, dht is not None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, keep)
@@ -125,6 +134,20 @@ def chunk_kda_bwd(
     likes = (q, k, v, g, beta_raw, A_log, dt_bias, initial_state)
     return [_empty(do) if gr is None or t is None else gr.to(t.dtype).contiguous()
             for gr, t in zip(grads, likes, strict=True)]
+
+
+@torch.library.custom_op("kda::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd(
+    do: Tensor, dht: Tensor | None, q: Tensor, q_rstd: Tensor | None, k: Tensor, k_rstd: Tensor | None,
+    v: Tensor, gk: Tensor | None, g: Tensor, beta_raw: Tensor, beta: Tensor, A_log: Tensor | None,
+    dt_bias: Tensor | None, Aqk: Tensor, Akk: Tensor, initial_state: Tensor | None, w: Tensor | None,
+    u: Tensor | None, qg: Tensor | None, kg: Tensor | None, h: Tensor | None, v_new: Tensor | None,
+    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool, lower_bound: float | None,
+) -> list[Tensor]:
+    return _bwd_body(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk,
+                     initial_state, w, u, qg, kg, h, v_new, scale, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound)
 
 
 @chunk_kda_bwd.register_fake
@@ -159,16 +182,18 @@ def _setup_context(ctx, inputs, output):
     ctx.needs = [A_log is not None, dt_bias is not None, initial_state is not None]
 
 
-def _backward(ctx, grads):
+def _backward(ctx, grads, bwd=None):
+    """The registered autograd formula; `bwd`: the backward's implementation (the custom op, or its
+    body on the eager path)."""
     do, dht = grads[0], grads[1]
     f = ctx.flags
     dht = dht if ctx.has_ht else None
     if do is None:  # o unused by the loss (only ht is): its gradient is zero
         do = torch.zeros(ctx.o_shape, dtype=ctx.o_dtype, device=ctx.saved_tensors[0].device)
     saved = ctx.saved_tensors
-    out = torch.ops.kda.chunk_kda_bwd(do, dht, *saved, f["scale"], f["use_qk_l2norm_in_kernel"],
-                                      f["use_gate_in_kernel"], f["use_beta_sigmoid_in_kernel"],
-                                      f["allow_neg_eigval"], f["lower_bound"])  # disable_recompute: w given
+    bwd = bwd or torch.ops.kda.chunk_kda_bwd  # disable_recompute: w given
+    out = bwd(do, dht, *saved, f["scale"], f["use_qk_l2norm_in_kernel"], f["use_gate_in_kernel"],
+              f["use_beta_sigmoid_in_kernel"], f["allow_neg_eigval"], f["lower_bound"])
     dq, dk, dv, dg, db, dA_log, ddt_bias, dh0 = out
     has_a, has_d, has_h = ctx.needs
     gate = f["use_gate_in_kernel"]
@@ -179,10 +204,36 @@ def _backward(ctx, grads):
 chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Eager(torch.autograd.Function):
+    """The same two bodies and autograd formula as the custom ops, without the custom-op dispatch
+    (schema defaults, pytree flattening, the alias check): what an eager call pays per step. On the
+    device machine's CPU the dispatch costs ~0.5 ms of host time per fwd+bwd (bench/check_launch.py
+    --profile, 2026-12-02), at shapes where the step is host-bound. Results are the bodies' own, so
+    both paths are bitwise equal (tests/kda_chain/test_op.py)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = _fwd_body(*inputs)
+        _setup_context(ctx, inputs, out)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, grads, _bwd_body)
+
+
+def _eager(q: Tensor) -> bool:
+    """Eager autograd can take the call: not under torch.compile / export tracing, no dispatch mode
+    (FakeTensorMode, functionalization, ...) that needs the op's schema and fake implementation."""
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and q.device.type != "meta")
+
+
 def apply(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags) -> tuple[Tensor, Tensor | None]:
-    """The chain's fwd (+ registered bwd) through the custom ops: (o, ht or None)."""
-    out = torch.ops.kda.chunk_kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, f.scale,
-                                      f.output_final_state, f.use_qk_l2norm_in_kernel, f.use_gate_in_kernel,
-                                      f.use_beta_sigmoid_in_kernel, f.allow_neg_eigval, f.lower_bound,
-                                      f.disable_recompute)
+    """The chain's fwd (+ registered bwd): (o, ht or None). Through the custom ops when traced, the
+    same bodies through `_Eager` otherwise."""
+    args = (q, k, v, g, beta, A_log, dt_bias, initial_state, f.scale, f.output_final_state,
+            f.use_qk_l2norm_in_kernel, f.use_gate_in_kernel, f.use_beta_sigmoid_in_kernel,
+            f.allow_neg_eigval, f.lower_bound, f.disable_recompute)
+    out = _Eager.apply(*args) if _eager(q) else torch.ops.kda.chunk_kda_fwd(*args)
     return out[0], (out[1] if f.output_final_state else None)

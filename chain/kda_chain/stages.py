@@ -20,6 +20,7 @@ arguments. Nothing in this module computes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -73,10 +74,12 @@ _capture: list[tuple[str, tuple, dict]] | None = None
 
 
 def clear_gate_cache() -> None:
-    """Forget every stage's cached gate decisions (after changing what a gate reads, e.g. a
-    kernel module's measured floor in a test)."""
+    """Forget every stage's cached gate decisions and every recorded plan (after changing what a
+    gate reads, e.g. a kernel module's measured floor in a test)."""
     for st in STAGES.values():
         st.decided.clear()
+    with _lock:
+        _plans.clear()
 
 
 def dispatch_log() -> deque[Choice]:
@@ -175,10 +178,80 @@ def cute_planned(stage: str, *args, **kwargs) -> bool:
     stage's own inputs exist, to decide whether an earlier stage computes something only that
     kernel reads (fwd: qg from fwd_prep). False when forced to fla (KDA_FORCE_FLA), when the
     module is absent, or when its `plan_reason(*args, **kwargs)` gives a reason."""
-    if forced_fla(stage):
-        return False
-    mod = registry.BY_NAME[stage].load()
-    return mod is not None and mod.plan_reason(*args, **kwargs) is None
+    rec = registry.BY_NAME[stage]
+    mod = rec.load()
+    plan_reason = None if mod is None else mod.plan_reason
+
+    def ask() -> bool:
+        return not forced_fla(stage) and plan_reason is not None and plan_reason(*args, **kwargs) is None
+
+    return _decide(rec, plan_reason, ask)
+
+
+# ---------------------------------------------------------------------------------------------
+# plans: a chain direction's decisions, replayed per call signature
+#
+# Every decision a chain direction makes (each stage's `choose`, `cute_planned`) depends only on
+# what its top-level call's signature holds (every intermediate is a fresh contiguous allocation
+# whose shape follows from the inputs). So `planned(...)` records them in call order the first
+# time a signature is seen, and replays them on later calls: one signature per direction instead
+# of one per stage (a dozen per step at 20-50 us each on the device machine's CPU). A replayed
+# decision is checked against the stage it is for and the stage's current implementations; on any
+# mismatch the call goes back to asking, and records nothing.
+
+PLAN_CACHE_SIZE = 256
+_plans: OrderedDict = OrderedDict()  # signature -> ((tag, decision), ...)
+_tls = threading.local()  # the plan of the chain direction running on this thread
+
+
+class _Plan:
+    __slots__ = ("replay", "record", "i")
+
+    def __init__(self, replay):
+        self.replay = replay
+        self.record = [] if replay is None else None
+        self.i = 0
+
+
+@contextlib.contextmanager
+def planned(*args):
+    """Within: the chain's decisions replay those recorded under `args`' signature, or record them
+    (stored only when the block completes)."""
+    key = _signature(args, {})
+    seen = _plans.get(key)
+    plan = _Plan(seen)
+    outer = getattr(_tls, "plan", None)
+    _tls.plan = plan
+    try:
+        yield
+        if plan.record is not None:
+            with _lock:
+                _plans[key] = tuple(plan.record)
+                while len(_plans) > PLAN_CACHE_SIZE:
+                    _plans.popitem(last=False)
+    finally:
+        _tls.plan = outer
+
+
+def _decide(tag, state, ask: Callable):
+    """`ask()`'s answer, from the running plan when its next decision is for `tag` and was made
+    with an equal `state` (what the answer depends on beyond the signature: the stage's
+    implementations, the module's plan function)."""
+    plan = getattr(_tls, "plan", None)
+    if plan is None:
+        return ask()
+    if plan.replay is not None:
+        if plan.i < len(plan.replay):
+            t, st, d = plan.replay[plan.i]
+            if t is tag and st == state:
+                plan.i += 1
+                return d
+        plan.replay = None  # diverged: ask from here on, record nothing
+        return ask()
+    d = ask()
+    if plan.record is not None:
+        plan.record.append((tag, state, d))
+    return d
 
 
 def _signature(args, kwargs) -> tuple:
@@ -201,14 +274,20 @@ GATE_CACHE_SIZE = 1024  # decisions kept per stage (a training loop meets a hand
 class Stage:
     """One stage: its implementations in order. `choose` asks their gates once per call signature
     (`_signature`) and keeps the answer (a training loop pays the gates once per shape: 10-50 us
-    each on the device machine's CPU, a dozen stages per step); `clear_gate_cache()` forgets."""
+    each on the device machine's CPU, a dozen stages per step), and inside a chain call takes the
+    answer from the running plan (`planned`) without computing a signature at all;
+    `clear_gate_cache()` forgets both."""
 
     name: str
     impls: list[Impl] = field(default_factory=list)
     decided: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     def choose(self, *args, **kwargs) -> tuple[Impl, str | None]:
-        key = (tuple(map(id, self.impls)), _signature(args, kwargs))
+        impls = tuple(map(id, self.impls))
+        return _decide(self, impls, lambda: self._cached(impls, args, kwargs))
+
+    def _cached(self, impls, args, kwargs) -> tuple[Impl, str | None]:
+        key = (impls, _signature(args, kwargs))
         hit = self.decided.get(key)
         if hit is not None:
             return hit

@@ -409,3 +409,42 @@ def test_dispatch_log_is_bounded():
     log = S.dispatch_log()
     assert len(log) == S.LOG_SIZE and all(c.stage == "probe" for c in log)
     S.reset_dispatch_log()
+
+
+def test_plan_replays_every_decision_and_notices_a_changed_stage(monkeypatch):
+    """A chain call's decisions are recorded per top-level signature and replayed on the next
+    call with no per-stage signature (`_signature` is not called at all); a stage whose
+    implementations changed since is asked again (its new first implementation runs), and a
+    changed KDA_FORCE_FLA is a new signature."""
+    x = _inputs(T=64)
+    kw = dict(use_gate_in_kernel=True, A_log=x["A_log"], initial_state=x["initial_state"])
+
+    def step():
+        reset_dispatch_log()
+        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        o.sum().backward()
+        return [(c.stage, c.impl, c.reason) for c in dispatch_log()], o.detach()
+
+    S.clear_gate_cache()
+    first, o1 = step()
+    real_signature = S._signature
+    asked = []
+    monkeypatch.setattr(S, "_signature", lambda *a: asked.append(a) or real_signature(*a))
+    again, o2 = step()
+    assert again == first and torch.equal(o1, o2)
+    assert len(asked) == 2, "one signature per direction (fwd, bwd), none per stage"
+
+    seen = []
+
+    def fake_cute(*args, **kwargs):
+        seen.append(kwargs)
+        return S.ref.bwd_intra(*args, **kwargs)
+
+    monkeypatch.setattr(S.intra, "impls", [S.Impl("cute", S._always, fake_cute), *S.intra.impls[1:]])
+    changed, _ = step()
+    assert seen and ("intra", "cute", None) in changed and "dg_cumsum" not in [c[0] for c in changed]
+
+    assert not any("forced" in (reason or "") for _, _, reason in changed)
+    monkeypatch.setenv("KDA_FORCE_FLA", "dhu")
+    forced, _ = step()
+    assert any(st == "dhu" and "forced to fla" in reason for st, _, reason in forced)

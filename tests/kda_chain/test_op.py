@@ -2,7 +2,7 @@
 fake implementations agree with the real ones (shapes, dtypes) in every flag combination, GVA and
 the final state, disable_recompute's kept tensors; opcheck's registration tests pass;
 torch.compile(fullgraph=True) of a model that calls chunk_kda compiles with no graph break and
-matches eager."""
+matches eager; an eager call skips the custom-op dispatch and gives the same bits."""
 
 from __future__ import annotations
 
@@ -108,3 +108,25 @@ def test_saved_outputs_take_no_gradient():
     assert not any(t.requires_grad for t in out[2:])
     dq, dk = torch.autograd.grad(out[1].sum(), [x["q"], x["k"]])  # ht depends on k, not on q
     assert not dq.any() and torch.isfinite(dk).all() and dk.abs().sum() > 0
+
+
+@pytest.mark.parametrize("case", ["gate_l2norm_h0", "disable_recompute_gva"])
+def test_eager_path_equals_the_custom_op(case, monkeypatch):
+    """An eager call goes through `_Eager` (no custom-op dispatch), a traced one through the ops:
+    the same bodies, so outputs and every gradient are bitwise equal."""
+    B, T, H, HV, K, V, dt, flags = CASES[case]
+
+    def run():
+        x = _inputs(B, T, H, HV, K, V, dt, flags)
+        for t in x.values():
+            t.requires_grad_(True)
+        o, ht = chunk_kda(**x, **flags)
+        (o.sum() + ht.sum()).backward()
+        return o.grad_fn, [o, ht, *(t.grad for t in x.values())]
+
+    fn_eager, eager = run()
+    monkeypatch.setattr(kop, "_eager", lambda q: False)
+    fn_op, op = run()
+    assert type(fn_eager).__name__ == "_EagerBackward" and type(fn_op).__name__ != "_EagerBackward"
+    for a, b in zip(eager, op, strict=True):
+        assert torch.equal(a, b)
