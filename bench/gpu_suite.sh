@@ -60,7 +60,8 @@ for s in $steps; do
     stages)  # the chunk-parallel CuTe stages vs fla on a chain call's arguments (bench/check_stage.py)
       for st in ${CHECK_STAGES:-fwd_prep bwd_wy_dqkg}; do step "check_stage_$st" ${STAGE_LIMIT:-200} python bench/check_stage.py --stage $st; done ;;
     launch)  # host vs device time per launch and per chain step (the small-shape slowdown)
-      step check_launch 120 python bench/check_launch.py ;;
+      step check_launch 120 python bench/check_launch.py
+      step check_launch_profile 120 python bench/check_launch.py --profile ;;
     tvmffi)  # one CuTe launch's host cost: the call cache against the DSL's TVM-FFI path
       step check_tvm_ffi 150 python bench/check_tvm_ffi.py ;;
     train)  # the 2-layer KDA LM's train step, ours vs fla (eager; TRAIN_ARGS=--compile for compiled)
@@ -78,7 +79,8 @@ for s in $steps; do
     shared)  # two processes on one GPU at once (cold compiles, opposite shape orders) vs one alone
       step shared_gpu ${SHARED_LIMIT:-240} python bench/shared_gpu.py --out "$OUT/shared" ;;
     peer)  # ours, fla, cuDNN (when .dev-p travelled) and attn-gym side by side on the peers' inputs
-      step peer ${PEER_LIMIT:-400} python -m pytest -p no:cacheprovider -q bench/test_chain.py -k vs_peer \
+           # (PEER_K: a pytest -k expression over the shapes, e.g. "peer_small or peer_b2")
+      step peer ${PEER_LIMIT:-400} python -m pytest -p no:cacheprovider -q bench/test_chain.py -k "vs_peer ${PEER_K:+and ($PEER_K)}" \
         --benchmark-json="$OUT/peer.json" --benchmark-columns=median,iqr,rounds ;;
     ncu)  # Nsight Compute: NCU_STAGE's CuTe kernel (default b1 without a state): the details page
           # and the per-instruction SASS table (stall samples) come back. NCU_FLA=1 adds fla's
