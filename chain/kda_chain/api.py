@@ -44,21 +44,25 @@ def _delegated_reason(*, chunk_size, safe_gate, state_v_first, cu_seqlens, cp_co
     return None
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg) -> None:
+    """ValueError("chunk_kda: <msg>") unless `cond`; `msg` a string or a function making it (the
+    f-strings are built only on failure: building them all cost ~50 us per call)."""
     if not cond:
-        raise ValueError(f"chunk_kda: {msg}")
+        raise ValueError(f"chunk_kda: {msg() if callable(msg) else msg}")
 
 
 def _check_cu_seqlens(cu, B, T, dev) -> None:
     """fla's varlen layout: B == 1, cu_seqlens 1-D int32 / int64 on q's device, N + 1 >= 2 offsets
     from 0 to T, non-decreasing. The values are read only on the CPU (on a GPU that is a host sync,
     which fla does not make either)."""
-    _check(isinstance(cu, torch.Tensor), f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
+    _check(isinstance(cu, torch.Tensor),
+           lambda: f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
     _check(cu.dim() == 1 and cu.numel() >= 2,
-           f"cu_seqlens must be 1-D with N + 1 >= 2 offsets, got shape {list(cu.shape)}")
-    _check(cu.dtype in (torch.int32, torch.int64), f"cu_seqlens must be int32 or int64, got {cu.dtype}")
-    _check(cu.device == dev, f"cu_seqlens is on {cu.device} but q is on {dev}")
-    _check(B == 1, "with cu_seqlens the sequences are packed along T: q must be [1, total_T, H, K], "
+           lambda: f"cu_seqlens must be 1-D with N + 1 >= 2 offsets, got shape {list(cu.shape)}")
+    _check(cu.dtype in (torch.int32, torch.int64),
+           lambda: f"cu_seqlens must be int32 or int64, got {cu.dtype}")
+    _check(cu.device == dev, lambda: f"cu_seqlens is on {cu.device} but q is on {dev}")
+    _check(B == 1, lambda: "with cu_seqlens the sequences are packed along T: q must be [1, total_T, H, K], "
            f"got B={B}")
     if cu.device.type == "cpu":
         _check_offsets(cu.tolist(), T)
@@ -66,7 +70,7 @@ def _check_cu_seqlens(cu, B, T, dev) -> None:
 
 def _check_offsets(offs, T) -> None:
     _check(offs[0] == 0 and offs[-1] == T,
-           f"cu_seqlens must run from 0 to total_T={T}, got {offs[0]} .. {offs[-1]}")
+           lambda: f"cu_seqlens must run from 0 to total_T={T}, got {offs[0]} .. {offs[-1]}")
     _check(all(a <= b for a, b in zip(offs, offs[1:], strict=False)), "cu_seqlens must be non-decreasing")
 
 
@@ -74,35 +78,39 @@ def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel
              use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens=None) -> None:
     """Every check fla makes, plus device/dtype/stride checks fla leaves to a crash."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        _check(t.dtype in _FLOATS, f"{name} has dtype {t.dtype}; expected a floating dtype")
-    _check(q.dim() == 4, f"q must be [B, T, H, K], got shape {list(q.shape)}")
-    _check(k.shape == q.shape, f"q and k must have the same shape, got q={list(q.shape)} k={list(k.shape)}")
+        if not isinstance(t, torch.Tensor):
+            _check(False, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            _check(False, f"{name} has dtype {t.dtype}; expected a floating dtype")
+    _check(q.dim() == 4, lambda: f"q must be [B, T, H, K], got shape {list(q.shape)}")
+    _check(k.shape == q.shape,
+           lambda: f"q and k must have the same shape, got q={list(q.shape)} k={list(k.shape)}")
     B, T, H, K = q.shape
     _check(v.dim() == 4 and v.shape[:2] == (B, T),
-           f"v must be [B, T, HV, V] with B={B} T={T}, got {list(v.shape)}")
+           lambda: f"v must be [B, T, HV, V] with B={B} T={T}, got {list(v.shape)}")
     HV = v.shape[2]
-    _check(HV % H == 0, f"HV={HV} (v.shape[2]) must be a multiple of H={H} (q.shape[2])")
-    _check(K <= 256, f"key head dim K={K} > 256 is not supported (fla's limit)")
-    _check(tuple(g.shape) == (B, T, HV, K), f"g must have shape {[B, T, HV, K]}, got {list(g.shape)}")
-    _check(tuple(beta.shape) == (B, T, HV), f"beta must have shape {[B, T, HV]}, got {list(beta.shape)}")
+    _check(HV % H == 0, lambda: f"HV={HV} (v.shape[2]) must be a multiple of H={H} (q.shape[2])")
+    _check(K <= 256, lambda: f"key head dim K={K} > 256 is not supported (fla's limit)")
+    _check(tuple(g.shape) == (B, T, HV, K), lambda: f"g must have shape {[B, T, HV, K]}, got {list(g.shape)}")
+    _check(tuple(beta.shape) == (B, T, HV),
+           lambda: f"beta must have shape {[B, T, HV]}, got {list(beta.shape)}")
     dev = q.device
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
                     ("A_log", A_log), ("dt_bias", dt_bias)):
-        if t is not None:
-            _check(t.device == dev, f"{name} is on {t.device} but q is on {dev}")
-    _check(k.dtype == q.dtype, f"k dtype {k.dtype} differs from q dtype {q.dtype}")
-    _check(v.dtype == q.dtype, f"v dtype {v.dtype} differs from q dtype {q.dtype}")
+        if t is not None and t.device != dev:
+            _check(False, f"{name} is on {t.device} but q is on {dev}")
+    _check(k.dtype == q.dtype, lambda: f"k dtype {k.dtype} differs from q dtype {q.dtype}")
+    _check(v.dtype == q.dtype, lambda: f"v dtype {v.dtype} differs from q dtype {q.dtype}")
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, B, T, dev)
     if initial_state is not None:
         V = v.shape[3]
         N = B if cu_seqlens is None else len(cu_seqlens) - 1  # varlen: one state per sequence
         _check(tuple(initial_state.shape) == (N, HV, K, V),
-               f"initial_state must have shape {[N, HV, K, V]}, got {list(initial_state.shape)}")
+               lambda: f"initial_state must have shape {[N, HV, K, V]}, got {list(initial_state.shape)}")
         ok = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
         _check(initial_state.dtype in ok,
-               f"initial_state must be float32 (float64 only with float64 inputs, the reference's "
+               lambda: f"initial_state must be float32 (float64 only with float64 inputs, the reference's "
                f"precision), got {initial_state.dtype}")
     if cu_seqlens is None and 0 < T < H:
         warnings.warn(
@@ -113,10 +121,11 @@ def validate(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel
         _check(A_log is not None or lower_bound is not None,
                "A_log must be given when use_gate_in_kernel=True and lower_bound is not set")
         if A_log is not None:
-            _check(A_log.numel() == HV, f"A_log must have HV={HV} elements, got shape {list(A_log.shape)}")
+            _check(A_log.numel() == HV,
+                   lambda: f"A_log must have HV={HV} elements, got shape {list(A_log.shape)}")
         if dt_bias is not None:
             _check(dt_bias.numel() == HV * K,
-                   f"dt_bias must have HV*K={HV * K} elements, got {list(dt_bias.shape)}")
+                   lambda: f"dt_bias must have HV*K={HV * K} elements, got {list(dt_bias.shape)}")
     if allow_neg_eigval:
         _check(use_beta_sigmoid_in_kernel, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
 
