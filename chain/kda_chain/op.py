@@ -23,6 +23,7 @@ a host-bound step pays in full.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
 
 import torch
@@ -42,6 +43,10 @@ def _f32(q: Tensor) -> torch.dtype:
 
 def _empty(like: Tensor) -> Tensor:
     return like.new_empty(_EMPTY)
+
+
+def _none(like: Tensor) -> None:
+    return None
 
 
 def _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, l2norm, gate, beta_sigmoid, keep):
@@ -84,8 +89,9 @@ def _expect(name: str, t: Tensor, meta) -> Tensor:
 
 def _fwd_body(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-              lower_bound, disable_recompute) -> list[Tensor]:
-    """kda::chunk_kda_fwd's implementation (also the eager path's forward: `_Eager`)."""
+              lower_bound, disable_recompute, absent=_empty) -> list[Tensor]:
+    """kda::chunk_kda_fwd's implementation (also the eager path's forward: `_Eager`, whose absent
+    outputs are None rather than placeholder tensors: `absent`)."""
     f = Flags(scale, 64, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute)
     with device_guard(q):
@@ -95,7 +101,7 @@ def _fwd_body(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_fin
            s.Aqk, s.Akk, *kept]
     metas = _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, disable_recompute)
-    return [_empty(q) if m is None else _expect(n, t, m)
+    return [absent(q) if m is None else _expect(n, t, m)
             for n, t, m in zip(_FWD_NAMES, got, metas, strict=True)]
 
 
@@ -121,8 +127,9 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state
 
 def _bwd_body(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk,
               initial_state, w, u, qg, kg, h, v_new, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound) -> list[Tensor]:
-    """kda::chunk_kda_bwd's implementation (also the eager path's backward: `_Eager`)."""
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, absent=_empty) -> list[Tensor]:
+    """kda::chunk_kda_bwd's implementation (also the eager path's backward: `_Eager`, `absent` as
+    in `_fwd_body`)."""
     keep = w is not None
     f = Flags(scale, 64, dht is not None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, keep)
@@ -132,7 +139,7 @@ def _bwd_body(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt
         grads = backward(do.contiguous(), None if dht is None else dht.contiguous(), s, f)
     # each gradient in its input's dtype (fla's rule); absent ones as empty placeholders
     likes = (q, k, v, g, beta_raw, A_log, dt_bias, initial_state)
-    return [_empty(do) if gr is None or t is None else gr.to(t.dtype).contiguous()
+    return [absent(do) if gr is None or t is None else gr.to(t.dtype).contiguous()
             for gr, t in zip(grads, likes, strict=True)]
 
 
@@ -169,7 +176,8 @@ def _setup_context(ctx, inputs, output):
     _, _, qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk, *kept = output
     # the saved intermediates are outputs only to reach the backward: no gradient flows to them,
     # and none is materialized (zeros of every one of them: 0.49 ms and GBs at the reference shape)
-    ctx.mark_non_differentiable(qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk, *kept)
+    ctx.mark_non_differentiable(*(t for t in (qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk, *kept)
+                                  if t is not None))
     ctx.set_materialize_grads(False)
     l2, sig, keep = f["use_qk_l2norm_in_kernel"], f["use_beta_sigmoid_in_kernel"], f["disable_recompute"]
     ctx.save_for_backward(qn if l2 else q, q_rstd if l2 else None, kn if l2 else k, k_rstd if l2 else None, v,
@@ -213,13 +221,13 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        out = _fwd_body(*inputs)
+        out = _fwd_body(*inputs, absent=_none)
         _setup_context(ctx, inputs, out)
         return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads):
-        return _backward(ctx, grads, _bwd_body)
+        return _backward(ctx, grads, functools.partial(_bwd_body, absent=_none))
 
 
 def _eager(q: Tensor) -> bool:
