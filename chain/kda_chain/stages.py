@@ -197,20 +197,21 @@ def cute_planned(stage: str, *args, **kwargs) -> bool:
 # time a signature is seen, and replays them on later calls: one signature per direction instead
 # of one per stage (a dozen per step at 20-50 us each on the device machine's CPU). A replayed
 # decision is checked against the stage it is for and the stage's current implementations; on any
-# mismatch the call goes back to asking, and records nothing.
+# mismatch the call goes back to asking, and the stale plan is dropped (the next call records).
 
 PLAN_CACHE_SIZE = 256
-_plans: OrderedDict = OrderedDict()  # signature -> ((tag, decision), ...)
+_plans: OrderedDict = OrderedDict()  # signature -> ((tag, state, decision), ...)
 _tls = threading.local()  # the plan of the chain direction running on this thread
 
 
 class _Plan:
-    __slots__ = ("replay", "record", "i")
+    __slots__ = ("replay", "record", "i", "diverged")
 
     def __init__(self, replay):
         self.replay = replay
         self.record = [] if replay is None else None
         self.i = 0
+        self.diverged = False
 
 
 @contextlib.contextmanager
@@ -224,11 +225,13 @@ def planned(*args):
     _tls.plan = plan
     try:
         yield
-        if plan.record is not None:
-            with _lock:
+        with _lock:
+            if plan.record is not None:
                 _plans[key] = tuple(plan.record)
                 while len(_plans) > PLAN_CACHE_SIZE:
                     _plans.popitem(last=False)
+            elif plan.diverged:
+                _plans.pop(key, None)
     finally:
         _tls.plan = outer
 
@@ -246,7 +249,7 @@ def _decide(tag, state, ask: Callable):
             if t is tag and st == state:
                 plan.i += 1
                 return d
-        plan.replay = None  # diverged: ask from here on, record nothing
+        plan.replay, plan.diverged = None, True  # ask from here on, record nothing
         return ask()
     d = ask()
     if plan.record is not None:

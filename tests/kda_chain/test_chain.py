@@ -414,8 +414,8 @@ def test_dispatch_log_is_bounded():
 def test_plan_replays_every_decision_and_notices_a_changed_stage(monkeypatch):
     """A chain call's decisions are recorded per top-level signature and replayed on the next
     call with no per-stage signature (`_signature` is not called at all); a stage whose
-    implementations changed since is asked again (its new first implementation runs), and a
-    changed KDA_FORCE_FLA is a new signature."""
+    implementations changed since is asked again (its new first implementation runs) and the
+    stale plan is recorded anew; a changed KDA_FORCE_FLA is a new signature."""
     x = _inputs(T=64)
     kw = dict(use_gate_in_kernel=True, A_log=x["A_log"], initial_state=x["initial_state"])
 
@@ -441,8 +441,13 @@ def test_plan_replays_every_decision_and_notices_a_changed_stage(monkeypatch):
         return S.ref.bwd_intra(*args, **kwargs)
 
     monkeypatch.setattr(S.intra, "impls", [S.Impl("cute", S._always, fake_cute), *S.intra.impls[1:]])
+    asked.clear()
     changed, _ = step()
     assert seen and ("intra", "cute", None) in changed and "dg_cumsum" not in [c[0] for c in changed]
+    assert len(asked) > 2  # the backward's stages from intra on asked their gates again
+    step()  # the stale plan was dropped: this call records anew ...
+    asked.clear()
+    assert step()[0] == changed and len(asked) == 2  # ... and this one replays it
 
     assert not any("forced" in (reason or "") for _, _, reason in changed)
     monkeypatch.setenv("KDA_FORCE_FLA", "dhu")
