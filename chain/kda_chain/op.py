@@ -137,7 +137,7 @@ def _bwd_body(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt
     s = Saved(q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state, kept)
     with device_guard(do):
         grads = backward(do.contiguous(), None if dht is None else dht.contiguous(), s, f)
-    # each gradient in its input's dtype (fla's rule); absent ones as empty placeholders
+    # each gradient in its input's dtype (fla's rule); absent ones as `absent(do)`
     likes = (q, k, v, g, beta_raw, A_log, dt_bias, initial_state)
     return [absent(do) if gr is None or t is None else gr.to(t.dtype).contiguous()
             for gr, t in zip(grads, likes, strict=True)]
@@ -198,8 +198,8 @@ def _backward(ctx, grads, bwd=None):
     dht = dht if ctx.has_ht else None
     if do is None:  # o unused by the loss (only ht is): its gradient is zero
         do = torch.zeros(ctx.o_shape, dtype=ctx.o_dtype, device=ctx.saved_tensors[0].device)
-    saved = ctx.saved_tensors
-    bwd = bwd or torch.ops.kda.chunk_kda_bwd  # disable_recompute: w given
+    saved = ctx.saved_tensors  # with disable_recompute w, u, qg, kg, h, v_new too (else None)
+    bwd = bwd or torch.ops.kda.chunk_kda_bwd
     out = bwd(do, dht, *saved, f["scale"], f["use_qk_l2norm_in_kernel"], f["use_gate_in_kernel"],
               f["use_beta_sigmoid_in_kernel"], f["allow_neg_eigval"], f["lower_bound"])
     dq, dk, dv, dg, db, dA_log, ddt_bias, dh0 = out
@@ -214,10 +214,11 @@ chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _Eager(torch.autograd.Function):
     """The same two bodies and autograd formula as the custom ops, without the custom-op dispatch
-    (schema defaults, pytree flattening, the alias check): what an eager call pays per step. On the
-    device machine's CPU the dispatch costs ~0.5 ms of host time per fwd+bwd (bench/check_launch.py
-    --profile, 2026-12-02), at shapes where the step is host-bound. Results are the bodies' own, so
-    both paths are bitwise equal (tests/kda_chain/test_op.py)."""
+    (schema defaults, pytree flattening, the alias check): what an eager call pays per step. With
+    it the host time outside the stages of one fwd+bwd went 1.77 -> 1.06 ms on the device machine
+    (bench/check_launch.py --profile, B2 T4096, 2026-12-02), at a shape where the step is
+    host-bound. Results are the bodies' own, so both paths are bitwise equal
+    (tests/kda_chain/test_op.py)."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -227,7 +228,10 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return _backward(ctx, grads, functools.partial(_bwd_body, absent=_none))
+        return _backward(ctx, grads, _eager_bwd)
+
+
+_eager_bwd = functools.partial(_bwd_body, absent=_none)
 
 
 def _eager(q: Tensor) -> bool:

@@ -205,13 +205,15 @@ _tls = threading.local()  # the plan of the chain direction running on this thre
 
 
 class _Plan:
-    __slots__ = ("replay", "record", "i", "diverged")
+    """`replay`: the recorded decisions (None when recording, or once a replay diverged);
+    `record`: the decisions being recorded (None when this call started from a recorded plan)."""
+
+    __slots__ = ("replay", "record", "i")
 
     def __init__(self, replay):
         self.replay = replay
         self.record = [] if replay is None else None
         self.i = 0
-        self.diverged = False
 
 
 @contextlib.contextmanager
@@ -230,7 +232,7 @@ def planned(*args):
                 _plans[key] = tuple(plan.record)
                 while len(_plans) > PLAN_CACHE_SIZE:
                     _plans.popitem(last=False)
-            elif plan.diverged:
+            elif plan.replay is None:  # started from `seen` and diverged: drop the stale plan
                 _plans.pop(key, None)
     finally:
         _tls.plan = outer
@@ -249,7 +251,7 @@ def _decide(tag, state, ask: Callable):
             if t is tag and st == state:
                 plan.i += 1
                 return d
-        plan.replay, plan.diverged = None, True  # ask from here on, record nothing
+        plan.replay = None  # diverged: ask from here on, record nothing
         return ask()
     d = ask()
     if plan.record is not None:
