@@ -1,13 +1,13 @@
 """`chunk_kda`: fla 0.6.0's signature and results, on our stage chain.
 
 Bad input fails here, with the argument named, before any kernel runs. Flags the chain does not
-implement (cu_seqlens, cp_context, safe_gate, state_v_first, chunk_size != 64,
-return_intermediate_states, use_graph) send the WHOLE call to fla, logged
-once and recorded as the range `kda::chunk_kda::fla::<reason>` so the witness shows it; where
-fla cannot run (no CUDA, float64 inputs, fla not importable), such a call raises rather than
-silently doing something else, except a packed (cu_seqlens) call with no other such flag: it
-runs the chain once per sequence (`kda::chunk_kda::per_sequence::<reason>`), the path CI tests
-varlen through on CPU.
+implement (cp_context, safe_gate, state_v_first, chunk_size != 64, return_intermediate_states,
+use_graph) send the WHOLE call to fla, logged once and recorded as the range
+`kda::chunk_kda::fla::<reason>` so the witness shows it; where fla cannot run (no CUDA, float64
+inputs, fla not importable), such a call raises rather than silently doing something else.
+
+A packed call (cu_seqlens) runs the chain on a row padded to whole chunks per sequence
+(`kda_chain.varlen`), in the range `kda::chunk_kda::packed`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from kda_cute import registry
 from kda_witness import stage_range
 
-from . import op
+from . import op, varlen
 from . import stages as S
 from .autograd import EmptyKDAFunction
 from .forward import Flags
@@ -28,10 +28,9 @@ log = logging.getLogger("kda_chain")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _delegated_reason(*, chunk_size, safe_gate, state_v_first, cu_seqlens, cp_context, use_graph,
+def _delegated_reason(*, chunk_size, safe_gate, state_v_first, cp_context, use_graph,
                       return_intermediate_states) -> str | None:
     for on, why in (
-        (cu_seqlens is not None, "cu_seqlens (varlen) not implemented"),
         (cp_context is not None, "context parallel not implemented"),
         (safe_gate, "safe_gate not implemented"),
         (state_v_first, "state_v_first not implemented"),
@@ -175,22 +174,10 @@ def chunk_kda(
              use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens)
 
     reason = _delegated_reason(
-        chunk_size=chunk_size, safe_gate=safe_gate, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, safe_gate=safe_gate, state_v_first=state_v_first,
         cp_context=cp_context, use_graph=use_graph, return_intermediate_states=return_intermediate_states)
     if reason is not None:
         no_fla = S.fla_gate(q)
-        if no_fla is not None and cu_seqlens is not None and _delegated_reason(
-                chunk_size=chunk_size, safe_gate=safe_gate, state_v_first=state_v_first, cu_seqlens=None,
-                cp_context=cp_context, use_graph=use_graph,
-                return_intermediate_states=return_intermediate_states) is None:
-            why = f"{reason}; fla cannot run here ({no_fla}): the chain once per sequence"
-            registry.log_once(f"kda_chain: varlen call: {why}", logger=log)
-            S.dispatch_log().append(S.Choice("chunk_kda", "per_sequence", why))
-            with stage_range("chunk_kda", "per_sequence", why):
-                return _per_sequence(cu_seqlens, q, k, v, g, beta, A_log, dt_bias, initial_state, scale,
-                                     output_final_state, chunk_size, use_qk_l2norm_in_kernel,
-                                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                                     lower_bound, disable_recompute)
         if no_fla is not None:
             raise NotImplementedError(f"chunk_kda: {reason}, and fla cannot run here ({no_fla})")
         registry.log_once(f"kda_chain: whole call to fla: {reason}", logger=log)
@@ -207,17 +194,25 @@ def chunk_kda(
                 state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                 cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs, **kwargs)
 
-    return _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, chunk_size,
-                  use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                  lower_bound, disable_recompute)
+    args = (scale, output_final_state, chunk_size, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute)
+    if cu_seqlens is not None:
+        S.dispatch_log().append(S.Choice("chunk_kda", "packed", None))
+        with stage_range("chunk_kda", "packed", None):
+            return _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
+    return _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
 
 
 def _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, chunk_size,
            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-           lower_bound, disable_recompute=False):
-    """The chain on validated [B, T, ...] inputs (no varlen). disable_recompute: the forward keeps
-    w, u, qg, kg, h, v_new (and gk) for the backward, as fla's: more memory, no recompute."""
+           lower_bound, disable_recompute=False, chunks=None):
+    """The chain on validated [B, T, ...] inputs (with `chunks`, a packed call's padded row:
+    `_packed`). disable_recompute: the forward keeps w, u, qg, kg, h, v_new (and gk) for the
+    backward, as fla's: more memory, no recompute."""
     if q.shape[1] == 0:  # fla's answer at T = 0, without launching anything
+        if chunks is not None:  # (every packed sequence empty: their states pass through)
+            B = chunks.shape[0] - 1
+            q, k, v, g, beta = (t.expand(B, *t.shape[1:]) for t in (q, k, v, g, beta))
         return EmptyKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state)
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -228,25 +223,26 @@ def _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    return op.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, flags)
+    return op.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, flags, chunks)
 
 
-def _per_sequence(cu_seqlens, q, k, v, g, beta, A_log, dt_bias, initial_state, *args):
-    """A packed call ([1, total_T, ...], offsets cu_seqlens, states [N, ...]) as one chain call per
-    sequence, each from its own initial state; o concatenated along T, ht stacked along N. Runs
-    where fla cannot: on CPU, and on a GPU for float64 inputs or without fla. The offsets are read
-    on the host (on a GPU a sync) and checked here, since validate reads them on CPU only."""
-    output_final_state = args[1]
-    offs = [int(x) for x in cu_seqlens.tolist()]
+def _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initial_state, *args):
+    """A packed call ([1, total_T, ...], offsets cu_seqlens, states [N, ...]) on the padded row of
+    `kda_chain.varlen`: inputs packed, one chain call with the chunk table, o unpacked (all
+    differentiable). The offsets are read on the host from cu_seqlens_cpu, else from cu_seqlens
+    (a host sync on a GPU, as fla's without cu_seqlens_cpu) and checked there."""
+    offs = [int(x) for x in (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()]
+    _check(len(offs) == cu_seqlens.shape[0],
+           lambda: f"cu_seqlens_cpu has {len(offs)} offsets, cu_seqlens {cu_seqlens.shape[0]}")
     _check_offsets(offs, q.shape[1])
-    outs, hts = [], []
-    for n in range(len(offs) - 1):
-        a, b = offs[n], offs[n + 1]
-        h0 = None if initial_state is None else initial_state[n:n + 1]
-        o, ht = _dense(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], A_log, dt_bias, h0, *args)
-        outs.append(o)
-        hts.append(ht)
-    return torch.cat(outs, 1), (torch.cat(hts, 0) if output_final_state else None)
+    p = varlen.packing(cu_seqlens, offs)
+    gate, sig, lower_bound = args[4], args[5], args[7]
+    packed = varlen.pack_inputs(q, k, v, g, beta, p, use_gate_in_kernel=gate, use_beta_sigmoid_in_kernel=sig,
+                                lower_bound=lower_bound)
+    o, ht = _dense(*packed, A_log, dt_bias, initial_state, *args, chunks=p.chunks)
+    if o.shape[1] == 0:
+        return o[:1], ht
+    return varlen.unpack(o, p), ht
 
 
 def is_supported(q: torch.Tensor, v: torch.Tensor | None = None, **flags) -> dict[str, str | None]:
@@ -259,7 +255,7 @@ def is_supported(q: torch.Tensor, v: torch.Tensor | None = None, **flags) -> dic
     HV, V = (v.shape[2], v.shape[3]) if v is not None else (H, K)
     reason = _delegated_reason(
         chunk_size=flags.get("chunk_size", 64), safe_gate=flags.get("safe_gate", False),
-        state_v_first=flags.get("state_v_first", False), cu_seqlens=flags.get("cu_seqlens"),
+        state_v_first=flags.get("state_v_first", False),
         cp_context=flags.get("cp_context"), use_graph=flags.get("use_graph", False),
         return_intermediate_states=flags.get("return_intermediate_states", False))
     if reason is not None:

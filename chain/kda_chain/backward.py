@@ -94,7 +94,7 @@ def _backward(do, dht, s: Saved, f: Flags):
     # in dhu's reverse scan, dAqk = scale tril(do v_new^T) in wy_dqkg's V walk. Where either stage
     # is not the CuTe kernel, bwd_dAv runs (with that stage's reason in the record).
     dhu_in = (qg, kg, w, gk, s.initial_state, dht, do)
-    impl, reason = S.dhu.choose(*dhu_in, None, f.scale, s.Aqk)
+    impl, reason = S.dhu.choose(*dhu_in, None, f.scale, s.Aqk, chunks=s.chunks)
     fused = impl.name == "cute"
     # the fused dhu needs nothing of b1's: on small grids the two serial scans overlap (`_side_stream`)
     side = _side_stream(do, v) if fused and s.kept is None else None
@@ -102,12 +102,12 @@ def _backward(do, dht, s: Saved, f: Flags):
     try:
         if s.kept is None:
             with _forked(side):
-                h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False)
+                h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False, chunks=s.chunks)
         if fused:
-            dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, None, f.scale, s.Aqk)
+            dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, None, f.scale, s.Aqk, chunks=s.chunks)
         else:
             dAqk, dv = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
-            dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, dv, f.scale)
+            dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, dv, f.scale, chunks=s.chunks)
     finally:  # joined before b1's inputs can be freed (below, or by an exception's unwinding)
         if side is not None:
             torch.cuda.current_stream(side.device).wait_stream(side)

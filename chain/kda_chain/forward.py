@@ -77,15 +77,17 @@ class Saved:
     Akk: torch.Tensor
     initial_state: torch.Tensor | None
     kept: Kept | None = None
+    chunks: torch.Tensor | None = None  # a packed call's chunk table (kda_chain.varlen), for the scans
 
 
-def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags):
-    """-> o (q's dtype), ht (fp32 or None), Saved."""
-    with S.planned("fwd", q, k, v, g, beta, A_log, dt_bias, initial_state, f):
-        return _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f)
+def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks=None):
+    """-> o (q's dtype), ht (fp32 or None), Saved. chunks: a packed call's chunk table (the
+    inputs on kda_chain.varlen's padded row): the scans walk each sequence; states [N, ...]."""
+    with S.planned("fwd", q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, f):
+        return _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f, chunks)
 
 
-def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags):
+def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks):
     q_rstd = k_rstd = None
     if f.use_qk_l2norm_in_kernel:
         q, q_rstd = S.l2norm_fwd(q)
@@ -93,14 +95,14 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags):
     beta_raw = beta
     if f.use_beta_sigmoid_in_kernel:
         beta = S.beta_sigmoid_fwd(beta_raw, f.beta_scale)
-    want_qg = f.disable_recompute or S.cute_planned("fwd", q, v, initial_state)
+    want_qg = f.disable_recompute or S.cute_planned("fwd", q, v, initial_state, chunks)
     gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep(q, k, v, g, beta, A_log, dt_bias, f.lower_bound,
                                             f.use_gate_in_kernel, f.scale, f.chunk_size, want_qg)
-    o, ht = S.fwd(q, qg, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale)
+    o, ht = S.fwd(q, qg, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale, chunks=chunks)
     kept = None
     if f.disable_recompute:  # the states for the backward: fwd keeps none (b1: 1.4 ms at the ref shape)
-        h, v_new, _ = S.b1(kg, w, u, gk, initial_state, False)
+        h, v_new, _ = S.b1(kg, w, u, gk, initial_state, False, chunks=chunks)
         kept = Kept(w, u, qg, kg, h, v_new)
     saved = Saved(q, q_rstd, k, k_rstd, v, None if f.use_gate_in_kernel and not kept else gk, g, beta_raw,
-                  beta, A_log, dt_bias, Aqk, Akk, initial_state, kept)
+                  beta, A_log, dt_bias, Aqk, Akk, initial_state, kept, chunks)
     return o.to(q.dtype), ht, saved

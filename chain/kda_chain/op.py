@@ -49,10 +49,12 @@ def _none(like: Tensor) -> None:
     return None
 
 
-def _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, l2norm, gate, beta_sigmoid, keep):
+def _fwd_meta(q, k, v, g, beta, initial_state, chunks, output_final_state, l2norm, gate, beta_sigmoid, keep):
     """(shape, dtype) of each output of kda::chunk_kda_fwd, None for an empty placeholder. keep:
-    disable_recompute (gk and the forward's w, u, qg, kg, h, v_new are outputs too)."""
+    disable_recompute (gk and the forward's w, u, qg, kg, h, v_new are outputs too). chunks: a
+    packed call's chunk table (kda_chain.varlen): N = its length - 1 states, else B."""
     B, T, H, K = q.shape
+    N = B if chunks is None else chunks.shape[0] - 1
     HV, V = v.shape[2], v.shape[3]
     NT = -(-T // 64)
     f32 = _f32(q)
@@ -60,7 +62,7 @@ def _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, l2norm, gate,
             ((B, T, HV, K), k.dtype), ((B, NT, HV, K, V), k.dtype), ((B, T, HV, V), v.dtype)]
     return [
         ((B, T, HV, V), q.dtype),  # o
-        ((B, HV, K, V), f32) if output_final_state else None,  # ht: fp32 (float64 for float64 q)
+        ((N, HV, K, V), f32) if output_final_state else None,  # ht: fp32 (float64 for float64 q)
         ((B, T, H, K), q.dtype) if l2norm else None,  # q, l2-normalized
         ((B, T, H), f32) if l2norm else None,  # q_rstd
         ((B, T, H, K), k.dtype) if l2norm else None,  # k, l2-normalized
@@ -87,7 +89,7 @@ def _expect(name: str, t: Tensor, meta) -> Tensor:
     return t.contiguous()
 
 
-def _fwd_body(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+def _fwd_body(q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, scale, output_final_state,
               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
               lower_bound, disable_recompute, absent=_empty) -> list[Tensor]:
     """kda::chunk_kda_fwd's implementation (also the eager path's forward: `_Eager`, whose absent
@@ -95,11 +97,11 @@ def _fwd_body(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_fin
     f = Flags(scale, 64, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute)
     with device_guard(q):
-        o, ht, s = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f)
+        o, ht, s = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f, chunks)
     kept = [None] * len(_KEPT) if s.kept is None else [getattr(s.kept, n) for n in _KEPT]
     got = [o, ht, s.q, s.q_rstd, s.k, s.k_rstd, s.gk, s.beta if use_beta_sigmoid_in_kernel else None,
            s.Aqk, s.Akk, *kept]
-    metas = _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    metas = _fwd_meta(q, k, v, g, beta, initial_state, chunks, output_final_state, use_qk_l2norm_in_kernel,
                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, disable_recompute)
     return [absent(q) if m is None else _expect(n, t, m)
             for n, t, m in zip(_FWD_NAMES, got, metas, strict=True)]
@@ -108,33 +110,36 @@ def _fwd_body(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_fin
 @torch.library.custom_op("kda::chunk_kda_fwd", mutates_args=())
 def chunk_kda_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None,
-    initial_state: Tensor | None, scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
-    lower_bound: float | None, disable_recompute: bool,
+    initial_state: Tensor | None, chunks: Tensor | None, scale: float, output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool, lower_bound: float | None, disable_recompute: bool,
 ) -> list[Tensor]:
-    return _fwd_body(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+    return _fwd_body(q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, scale, output_final_state,
                      use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                      allow_neg_eigval, lower_bound, disable_recompute)
 
 
 @chunk_kda_fwd.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, use_qk_l2norm_in_kernel,
-      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute):
-    metas = _fwd_meta(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, scale, output_final_state,
+      use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+      disable_recompute):
+    metas = _fwd_meta(q, k, v, g, beta, initial_state, chunks, output_final_state, use_qk_l2norm_in_kernel,
                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, disable_recompute)
     return [_empty(q) if m is None else q.new_empty(m[0], dtype=m[1]) for m in metas]
 
 
 def _bwd_body(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk,
-              initial_state, w, u, qg, kg, h, v_new, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-              use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, absent=_empty) -> list[Tensor]:
+              initial_state, chunks, w, u, qg, kg, h, v_new, scale, use_qk_l2norm_in_kernel,
+              use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+              absent=_empty) -> list[Tensor]:
     """kda::chunk_kda_bwd's implementation (also the eager path's backward: `_Eager`, `absent` as
     in `_fwd_body`)."""
     keep = w is not None
     f = Flags(scale, 64, dht is not None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, keep)
     kept = Kept(w, u, qg, kg, h, v_new) if keep else None
-    s = Saved(q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state, kept)
+    s = Saved(q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state, kept,
+              chunks)
     with device_guard(do):
         grads = backward(do.contiguous(), None if dht is None else dht.contiguous(), s, f)
     # each gradient in its input's dtype (fla's rule); absent ones as `absent(do)`
@@ -147,20 +152,21 @@ def _bwd_body(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt
 def chunk_kda_bwd(
     do: Tensor, dht: Tensor | None, q: Tensor, q_rstd: Tensor | None, k: Tensor, k_rstd: Tensor | None,
     v: Tensor, gk: Tensor | None, g: Tensor, beta_raw: Tensor, beta: Tensor, A_log: Tensor | None,
-    dt_bias: Tensor | None, Aqk: Tensor, Akk: Tensor, initial_state: Tensor | None, w: Tensor | None,
+    dt_bias: Tensor | None, Aqk: Tensor, Akk: Tensor, initial_state: Tensor | None, chunks: Tensor | None,
+    w: Tensor | None,
     u: Tensor | None, qg: Tensor | None, kg: Tensor | None, h: Tensor | None, v_new: Tensor | None,
     scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool, lower_bound: float | None,
 ) -> list[Tensor]:
     return _bwd_body(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk,
-                     initial_state, w, u, qg, kg, h, v_new, scale, use_qk_l2norm_in_kernel,
+                     initial_state, chunks, w, u, qg, kg, h, v_new, scale, use_qk_l2norm_in_kernel,
                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound)
 
 
 @chunk_kda_bwd.register_fake
 def _(do, dht, q, q_rstd, k, k_rstd, v, gk, g, beta_raw, beta, A_log, dt_bias, Aqk, Akk, initial_state,
-      w, u, qg, kg, h, v_new, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-      allow_neg_eigval, lower_bound):
+      chunks, w, u, qg, kg, h, v_new, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+      use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound):
     gate = use_gate_in_kernel
     likes = (q, k, v, g, beta_raw, A_log if gate else None, dt_bias if gate else None, initial_state)
     return [_empty(do) if t is None else torch.empty_like(t) for t in likes]
@@ -171,7 +177,7 @@ _FLAG_NAMES = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_ga
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, *flags = inputs
+    q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, *flags = inputs
     f = dict(zip(_FLAG_NAMES, flags, strict=True))
     _, _, qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk, *kept = output
     # the saved intermediates are outputs only to reach the backward: no gradient flows to them,
@@ -182,7 +188,7 @@ def _setup_context(ctx, inputs, output):
     l2, sig, keep = f["use_qk_l2norm_in_kernel"], f["use_beta_sigmoid_in_kernel"], f["disable_recompute"]
     ctx.save_for_backward(qn if l2 else q, q_rstd if l2 else None, kn if l2 else k, k_rstd if l2 else None, v,
                           None if f["use_gate_in_kernel"] and not keep else gk, g, beta,
-                          beta_act if sig else beta, A_log, dt_bias, Aqk, Akk, initial_state,
+                          beta_act if sig else beta, A_log, dt_bias, Aqk, Akk, initial_state, chunks,
                           *(kept if keep else [None] * len(kept)))
     ctx.flags = f
     ctx.has_ht = f["output_final_state"]
@@ -198,7 +204,7 @@ def _backward(ctx, grads, bwd=None):
     dht = dht if ctx.has_ht else None
     if do is None:  # o unused by the loss (only ht is): its gradient is zero
         do = torch.zeros(ctx.o_shape, dtype=ctx.o_dtype, device=ctx.saved_tensors[0].device)
-    saved = ctx.saved_tensors  # with disable_recompute w, u, qg, kg, h, v_new too (else None)
+    saved = ctx.saved_tensors  # the chunk table or None; with disable_recompute w, u, qg, kg, h, v_new too
     bwd = bwd or torch.ops.kda.chunk_kda_bwd
     out = bwd(do, dht, *saved, f["scale"], f["use_qk_l2norm_in_kernel"], f["use_gate_in_kernel"],
               f["use_beta_sigmoid_in_kernel"], f["allow_neg_eigval"], f["lower_bound"])
@@ -206,7 +212,7 @@ def _backward(ctx, grads, bwd=None):
     has_a, has_d, has_h = ctx.needs
     gate = f["use_gate_in_kernel"]
     return (dq, dk, dv, dg, db, dA_log if gate and has_a else None, ddt_bias if gate and has_d else None,
-            dh0 if has_h else None, *([None] * len(_FLAG_NAMES)))
+            dh0 if has_h else None, None, *([None] * len(_FLAG_NAMES)))
 
 
 chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -241,10 +247,11 @@ def _eager(q: Tensor) -> bool:
             and q.device.type != "meta")
 
 
-def apply(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags) -> tuple[Tensor, Tensor | None]:
+def apply(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags,
+          chunks=None) -> tuple[Tensor, Tensor | None]:
     """The chain's fwd (+ registered bwd): (o, ht or None). Through the custom ops when traced, the
-    same bodies through `_Eager` otherwise."""
-    args = (q, k, v, g, beta, A_log, dt_bias, initial_state, f.scale, f.output_final_state,
+    same bodies through `_Eager` otherwise. chunks: a packed call's chunk table (kda_chain.varlen)."""
+    args = (q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, f.scale, f.output_final_state,
             f.use_qk_l2norm_in_kernel, f.use_gate_in_kernel, f.use_beta_sigmoid_in_kernel,
             f.allow_neg_eigval, f.lower_bound, f.disable_recompute)
     out = _Eager.apply(*args) if _eager(q) else torch.ops.kda.chunk_kda_fwd(*args)

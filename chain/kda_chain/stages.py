@@ -356,9 +356,15 @@ def _fla_fwd_intra(q, k, v, gk, beta, scale, chunk_size, want_qg=False):
              disable_recompute=want_qg)
 
 
-def _fla_fwd_h(kg, w, u, gk, initial_state, output_final_state):
+def _cu_seqlens(chunks, chunk_size: int = 64):
+    """fla's cu_seqlens for a chunk table (the packed row, each sequence padded to whole chunks)."""
+    return None if chunks is None else chunks.long() * chunk_size
+
+
+def _fla_fwd_h(kg, w, u, gk, initial_state, output_final_state, chunks=None):
     f = _fla("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_h")
-    return f(k=kg, w=w, u=u, gk=gk, initial_state=initial_state, output_final_state=output_final_state)
+    return f(k=kg, w=w, u=u, gk=gk, initial_state=initial_state, output_final_state=output_final_state,
+             cu_seqlens=_cu_seqlens(chunks))
 
 
 def _fla_fwd_o(q, v_new, gk, Aqk, h, scale):
@@ -366,9 +372,10 @@ def _fla_fwd_o(q, v_new, gk, Aqk, h, scale):
     return f(q=q, v=v_new, g=gk, A=Aqk, h=h, scale=scale)
 
 
-def _fla_fwd_scan(q, qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale):
-    # fla's fwd_o gates q itself: qg (the CuTe kernel's input) is not used
-    h, v_new, ht = _fla_fwd_h(kg, w, u, gk, initial_state, output_final_state)
+def _fla_fwd_scan(q, qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks=None):
+    # fla's fwd_o gates q itself: qg (the CuTe kernel's input) is not used. With a chunk table every
+    # chunk lies in one sequence, so fwd_o's chunk-parallel readout needs no cu_seqlens.
+    h, v_new, ht = _fla_fwd_h(kg, w, u, gk, initial_state, output_final_state, chunks)
     return _fla_fwd_o(q, v_new, gk, Aqk, h, scale), ht
 
 
@@ -394,12 +401,13 @@ def _ref_bwd_dAv(q, k, v_new, do, Aqk, scale):
     return ref.bwd_dAv(v_new, do, Aqk, scale)
 
 
-def _fla_bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale, Aqk=None):
+def _fla_bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale, Aqk=None, chunks=None):
     if Aqk is not None:
         raise ValueError("fla's dhu takes bwd_dAv's dv; the fused Aqk form is the CuTe kernel's "
                          "(the chain asks only it)")
     f = _fla("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_bwd_dhu")
-    return f(q=qg, k=kg, w=w, gk=gk, h0=h0, dht=dht, do=do, dv=dv, scale=scale)
+    return f(q=qg, k=kg, w=w, gk=gk, h0=h0, dht=dht, do=do, dv=dv, scale=scale,
+             cu_seqlens=_cu_seqlens(chunks))
 
 
 def _fla_bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, want_dAqk=False):

@@ -122,7 +122,7 @@ def test_bad_cu_seqlens_fail_in_one_line(cu, B, needle):
 
 def test_varlen_with_another_unimplemented_flag_still_needs_fla():
     x = _x(B=1, T=64)
-    with pytest.raises(NotImplementedError, match="cu_seqlens.*fla cannot run here"):
+    with pytest.raises(NotImplementedError, match="safe_gate.*fla cannot run here"):
         _call(x, cu_seqlens=torch.tensor([0, 64]), safe_gate=True)
 
 

@@ -112,7 +112,7 @@ def test_fwd_prep_computes_qg_only_when_the_cute_fwd_is_planned(monkeypatch):
     o0, want0, qg0 = run()  # CPU: no device, no qg
     assert (want0, qg0) == (False, None)
     assert not cute_planned("fwd", x["q"], x["v"], x["initial_state"])
-    monkeypatch.setattr(F, "plan_reason", lambda q, v, h0=None: None)
+    monkeypatch.setattr(F, "plan_reason", lambda q, v, h0=None, chunks=None: None)
     assert cute_planned("fwd", x["q"], x["v"], x["initial_state"])
     o1, want1, qg1 = run()
     assert want1 is True and tuple(qg1.shape) == tuple(x["q"].shape[:2]) + (4, 16)
@@ -294,7 +294,7 @@ def test_gate_in_kernel_needs_A_log_and_neg_eigval_needs_sigmoid():
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(cu_seqlens=torch.tensor([0, 64]), safe_gate=True), "cu_seqlens"),  # alone: test_varlen.py
+    (dict(cu_seqlens=torch.tensor([0, 64]), safe_gate=True), "safe_gate"),  # cu_seqlens alone: test_varlen.py
     (dict(safe_gate=True), "safe_gate"),
     (dict(state_v_first=True), "state_v_first"),
     (dict(chunk_size=32), "chunk_size 32"),

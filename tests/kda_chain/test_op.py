@@ -21,6 +21,9 @@ CASES = {  # name: (B, T, H, HV, K, V, dtype, flags)
                         dict(use_gate_in_kernel=True, lower_bound=-5.0, output_final_state=True)),
     "disable_recompute_gva": (2, 100, 1, 2, 16, 8, torch.float32,
                               dict(use_gate_in_kernel=True, output_final_state=True, disable_recompute=True)),
+    # a packed call's padded row (kda_chain.varlen): three sequences of 1, 0 and 2 chunks, states [3, ...]
+    "packed_chunks": (1, 192, 1, 2, 16, 8, torch.float32,
+                      dict(use_gate_in_kernel=True, output_final_state=True, chunks=[0, 1, 1, 3])),
 }
 
 
@@ -37,8 +40,12 @@ def _inputs(B, T, H, HV, K, V, dtype, flags, seed=0, h0=True):
     x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=g, beta=beta)
     if flags.get("use_gate_in_kernel"):
         x.update(A_log=r(HV, dt=torch.float32), dt_bias=r(HV * K, dt=torch.float32))
+    N = B
+    if "chunks" in flags:
+        x["chunks"] = torch.tensor(flags["chunks"], dtype=torch.int32)
+        N = len(flags["chunks"]) - 1
     if h0:
-        x["initial_state"] = r(B, HV, K, V, dt=torch.float32 if dtype != torch.float64 else dtype)
+        x["initial_state"] = r(N, HV, K, V, dt=torch.float32 if dtype != torch.float64 else dtype)
     return x
 
 
@@ -48,7 +55,7 @@ def _op_args(x, flags):
     on = {n: flags.get(n, False) for n in names}
     f = Flags(scale=x["q"].shape[-1] ** -0.5, chunk_size=64, lower_bound=flags.get("lower_bound"), **on)
     tensors = (*(x[n] for n in ("q", "k", "v", "g", "beta")),
-               *(x.get(n) for n in ("A_log", "dt_bias", "initial_state")))
+               *(x.get(n) for n in ("A_log", "dt_bias", "initial_state", "chunks")))
     return (*tensors, f.scale, f.output_final_state, f.use_qk_l2norm_in_kernel, f.use_gate_in_kernel,
             f.use_beta_sigmoid_in_kernel, f.allow_neg_eigval, f.lower_bound, f.disable_recompute)
 
@@ -72,7 +79,8 @@ def test_opcheck(case):
     B, T, H, HV, K, V, dt, flags = CASES[case]
     x = _inputs(B, T, H, HV, K, V, dt, flags)
     for t in x.values():
-        t.requires_grad_(True)
+        if t.is_floating_point():
+            t.requires_grad_(True)
     torch.library.opcheck(torch.ops.kda.chunk_kda_fwd, _op_args(x, flags),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 

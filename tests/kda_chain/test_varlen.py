@@ -54,7 +54,7 @@ def test_chain_varlen_matches_the_recurrence_per_sequence(h0):
     x, cu = _inputs(LENS, h0=h0)
     reset_dispatch_log()
     o, ht = _run(chunk_kda, x, cu)
-    assert any(c.stage == "chunk_kda" and c.impl == "per_sequence" for c in dispatch_log())
+    assert any(c.stage == "chunk_kda" and c.impl == "packed" for c in dispatch_log())
     wo, wht = _run(naive_kda_varlen, x, cu)
     assert o.shape == wo.shape and ht.shape == (len(LENS), 4, 16, 8)
     assert rel_err(o, wo) < 1e-10 and rel_err(ht, wht) < 1e-10
@@ -94,3 +94,61 @@ def test_one_sequence_is_the_dense_call():
     od, htd = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"],
                         output_final_state=True, A_log=x["A_log"], dt_bias=x["dt_bias"], **FLAGS)
     assert torch.equal(o, od) and torch.equal(ht, htd)
+
+
+@pytest.mark.parametrize("flags", [
+    dict(use_gate_in_kernel=True, lower_bound=-5.0),  # the sigmoid form: padding must stay 0, no NaN
+    dict(use_qk_l2norm_in_kernel=True),  # g is the log gate itself (padded with 0), beta as given
+    dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+         disable_recompute=True),
+])
+def test_packed_flag_forms_match_the_recurrence(flags):
+    """The pad rows are no-op tokens in every gate / beta form: lower_bound's sigmoid gate, a given
+    log gate, beta with and without the sigmoid, disable_recompute (the forward's kept states on
+    the padded row): o, ht and every gradient equal the oracle's, all finite."""
+    x, cu = _inputs(LENS)
+    if not flags.get("use_gate_in_kernel"):
+        with torch.no_grad():
+            x["g"] = (-torch.nn.functional.softplus(x["g"])).requires_grad_(True)
+    kw = dict(cu_seqlens=cu, initial_state=x["h0"], output_final_state=True, **flags)
+    if flags.get("use_gate_in_kernel"):
+        kw.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
+    else:
+        x["A_log"] = x["dt_bias"] = None
+    o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    naive = {n: v for n, v in kw.items() if n != "disable_recompute"}
+    wo, wht = naive_kda_varlen(x["q"], x["k"], x["v"], x["g"], x["beta"], **naive)
+    assert rel_err(o, wo) < 1e-10 and rel_err(ht, wht) < 1e-10
+    got, want = _grads(x, o, ht), _grads(x, wo, wht)
+    for name in want:
+        assert torch.isfinite(got[name]).all(), name
+        assert rel_err(got[name], want[name]) < 1e-9, name
+
+
+def test_packing_layout():
+    """Each sequence starts on a chunk boundary of the padded row, its tokens in order; the chunk
+    table counts whole chunks (an empty sequence has none); pad rows hold the fill value and
+    unpack(pack(x)) is x."""
+    from kda_chain import varlen
+
+    lens = [1, 0, 64, 65, 3]
+    offs = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    p = varlen.packing(torch.tensor(offs, dtype=torch.int32), offs)
+    assert p.chunks.tolist() == [0, 1, 1, 2, 4, 5] and p.T_pad == 5 * 64
+    assert p.index[:2].tolist() == [0, 64] and p.index[-3:].tolist() == [256, 257, 258]
+    x = torch.randn(1, sum(lens), 2, 3)
+    y = varlen.pack(x, p, -7.0)
+    assert y.shape == (1, 320, 2, 3) and (y[:, 1:64] == -7.0).all() and torch.equal(varlen.unpack(y, p), x)
+
+
+def test_cu_seqlens_cpu_gives_the_same_call():
+    """cu_seqlens_cpu (the host copy that spares the sync) gives bitwise the same result; one that
+    disagrees in length is refused."""
+    x, cu = _inputs(LENS, h0=False)
+    o1, _ = _run(chunk_kda, x, cu)
+    o2, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, cu_seqlens_cpu=cu.long(),
+                      A_log=x["A_log"], dt_bias=x["dt_bias"], **FLAGS)
+    assert torch.equal(o1, o2)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, cu_seqlens_cpu=cu[:-1].long(),
+                  A_log=x["A_log"], dt_bias=x["dt_bias"], **FLAGS)

@@ -109,6 +109,36 @@ def test_two_warpgroup_variants_compile():
     )
 
 
+def _packed(V=128, lens_chunks=(1, 0, 3), dtype=torch.bfloat16):
+    """Operands packed [1, T, ...] with a chunk table (sequences of 1, 0 and 3 chunks)."""
+    chunks = torch.tensor([0, *torch.tensor(lens_chunks).cumsum(0).tolist()], dtype=torch.int32)
+    d = _t(T=64 * int(chunks[-1]), V=V, dtype=dtype)
+    d["h0"] = torch.randn(len(lens_chunks), d["u"].shape[2], 128, V)
+    return d, chunks
+
+
+@pytest.mark.parametrize("nwg", [1, 2])
+def test_scans_compile_with_a_chunk_table(nwg):
+    """Packed sequences (cu_seqlens, padded to whole chunks per sequence): each scan compiles with
+    the chunk table, one CTA per (V tile, head, sequence), h0 / ht / dht / dh0 per sequence."""
+    d, chunks = _packed(V=256)
+    _check(b1.compile_for(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True, chunks, warpgroups=nwg),
+           "kda_cute_b1")
+    _check(fwd.compile_for(*_fwd_args(d), d["h0"], True, 0.1, chunks, warpgroups=nwg), "kda_cute_fwd")
+    _check(dhu.compile_for(d["qg"], d["kg"], d["w"], d["gk"], d["h0"], d["h0"], d["do"], None, 0.1, d["Aqk"],
+                           chunks, warpgroups=nwg), "kda_cute_dhu")
+
+
+def test_chunk_table_reasons():
+    """A table that is not int32 [N + 1], or states that are not [N, ...], are refused with a reason."""
+    d, chunks = _packed()
+    args = (d["kg"], d["w"], d["u"], d["gk"])
+    assert b1.static_reason(*args, d["h0"], chunks) is None
+    assert "int32" in b1.static_reason(*args, None, chunks.long())
+    assert "[B, HV, K, V]" in b1.static_reason(*args, d["h0"][:2], chunks)
+    assert "packed" in b1.static_reason(*(t[:, :100] for t in args), None, chunks)
+
+
 def test_host_side_imports_no_dsl():
     """A stage module's is_supported / variant / policy answer without the CuTe DSL (seconds to
     import, absent on some CPU installs): importing them must not import cutlass."""
@@ -130,14 +160,17 @@ def test_configs_are_frozen_compile_keys():
     import dataclasses
 
     d = _t()
-    _, _, _, c1 = b1._plan(d["kg"], d["w"], d["u"], d["gk"], None, False, None, None)
-    _, _, _, c2 = b1._plan(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True, None, None)
+    _, _, _, c1 = b1._plan(d["kg"], d["w"], d["u"], d["gk"], None, False, None, None, None)
+    _, _, _, c2 = b1._plan(d["kg"], d["w"], d["u"], d["gk"], d["h0"], True, None, None, None)
     assert c1 != c2 and hash(c1) != hash(c2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c1.stages = 3
-    _, _, _, f1 = fwd._plan(*_fwd_args(d)[1:], None, False, 0.1, None, None)
-    _, _, _, f2 = fwd._plan(*_fwd_args(d)[1:], None, False, 0.2, None, None)
+    _, _, _, f1 = fwd._plan(*_fwd_args(d)[1:], None, False, 0.1, None, None, None)
+    _, _, _, f2 = fwd._plan(*_fwd_args(d)[1:], None, False, 0.2, None, None, None)
     assert f1 != f2  # the scale is compiled in
+    _, _, _, f3 = fwd._plan(*_fwd_args(d)[1:], None, False, 0.1, torch.tensor([0, 4], dtype=torch.int32),
+                            None, None)
+    assert f3 != f1 and f3.varlen  # a chunk table is another build
 
 
 def test_is_supported_needs_cuda_on_cpu():

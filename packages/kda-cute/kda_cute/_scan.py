@@ -207,8 +207,10 @@ def compile_fn(build, kernel):
         operands, kern = kernel(build)
         tmas, args = operands(*tensors)
         flat = tuple(x for op in tmas for x in op)
+        # grid z: the batch, or with a chunk table (the last tensor) its N sequences
+        z = cute.size(tensors[-1], mode=[0]) - 1 if build.varlen else cute.size(tensors[0], mode=[0])
         kern(flat, *args).launch(
-            grid=(build.V // (BV * build.nwg), build.HV, cute.size(tensors[0], mode=[0])),
+            grid=(build.V // (BV * build.nwg), build.HV, z),
             block=[THREADS * build.nwg, 1, 1],
             stream=tensors_stream[-1],
         )
@@ -224,20 +226,33 @@ class Cta:
     `hq` of GVA, T and the chunk count NT, the smem struct `st`, the mbarrier ring `mbar`, the
     exp2(gd) row `sG` and the `tiles` (`cfg.tiles`' buffers as swizzled tensors, in order); in
     the register-A scans (`cfg.l_g`) also the `empty` barriers and gk's rows `sGd`. Built while
-    tracing a kernel (it lays out `cfg` first): `mG` is any (X, T, heads, B) view."""
+    tracing a kernel (it lays out `cfg` first): `mG` is any (X, T, heads, B) view.
 
-    def __init__(self, cfg, mG):
+    The walk: `NT` chunks from chunk `c0` of batch row `b`, the fp32 states at row `seq`. Fixed
+    length: b = seq = the block's z, c0 = 0. With a chunk table (`cfg.varlen`, `mChunks` int32
+    [N + 1]): the block's z is the sequence, its chunks [mChunks[seq], mChunks[seq + 1]) of the
+    one packed row b = 0; every per-chunk load and store then indexes chunk c0 + c."""
+
+    def __init__(self, cfg, mG, mChunks):
         cfg._layouts()
         self.tid, _, _ = cute.arch.thread_idx()
         self.wg = self.tid // THREADS
         self.wtid = self.tid % THREADS
-        self.bv, self.hv, self.b = cute.arch.block_idx()
+        self.bv, self.hv, z = cute.arch.block_idx()
         self.vt = self.bv * cfg.nwg + self.wg
         self.hk = self.hv // cfg.ratio_k
         if hasattr(cfg, "ratio_q"):
             self.hq = self.hv // cfg.ratio_q
         self.T = cute.size(mG, mode=[1])
-        self.NT = (self.T + BT - 1) // BT
+        self.seq = z
+        if cfg.varlen:  # (plain Python: Cta is built while tracing, not a jit function)
+            self.b = 0
+            self.c0 = mChunks[z]
+            self.NT = mChunks[z + 1] - self.c0
+        else:
+            self.b = z
+            self.c0 = 0
+            self.NT = (self.T + BT - 1) // BT
         self.st = cutlass.memory.SmemAllocator().allocate(cfg.storage)
         self.mbar = self.st.mbar.data_ptr()
         self.sG = self.st.sG.get_tensor(cute.make_layout(KD))
@@ -281,7 +296,7 @@ class StateT:
     def start(self, cta, mH0, mHt):
         """acc = h0's tile (or 0); ht's tile `tSgHt`, partitioned here before the loop (the
         gemms set the MMA's ACCUMULATE field inside it)."""
-        tile = (0, cta.vt, cta.hv, cta.b)
+        tile = (0, cta.vt, cta.hv, cta.seq)
         gH0 = transposed(cute.local_tile(mH0, (KD, BV), tile))
         self.tSgHt = self.thr_s.partition_C(transposed(cute.local_tile(mHt, (KD, BV), tile)))
         if self.cfg.has_h0:
@@ -453,13 +468,14 @@ def release(empty, s):
 
 
 @cute.jit
-def refill(full, empty, s, c, nst: cutlass.Constexpr, NT, nbytes: cutlass.Constexpr, loads, T, tid):
+def refill(full, empty, s, c, nst: cutlass.Constexpr, NT, nbytes: cutlass.Constexpr, loads, T, tid, c0):
     """(warp 0 whole) once every consumer warp released chunk c's stage s, load chunk c + nst
-    into it (empty barriers: one arrive per warp, see `release`)."""
+    (of the walk from chunk c0: see Cta) into it (empty barriers: one arrive per warp, see
+    `release`)."""
     if tid < 32:
         if c + nst < NT:
             cute.arch.mbarrier_wait(empty + s, (c // nst) % 2)
-            issue_chunk(full, s, nbytes, loads, c + nst, T)
+            issue_chunk(full, s, nbytes, loads, c0 + c + nst, T)
 
 
 def store_chunk(st, n, ts=None):

@@ -108,7 +108,7 @@ def _b1_kernel(cfg):
     from cutlass.cute.nvgpu import warpgroup
 
     class K:
-        def operands(self, kg, w, u, gk, h0, h, v_new, ht):
+        def operands(self, kg, w, u, gk, h0, h, v_new, ht, chunks):
             # the kernel's arguments: its TMA operands (in its order), then the others
             tmas = (
                 S.tma_load(S.row_view(w), cfg.l_w, (S.BT, S.KD)),
@@ -118,15 +118,15 @@ def _b1_kernel(cfg):
                 S.tma_store(S.state_view(h), cfg.l_h, (S.BV, S.KD)),
                 S.tma_store(S.col_view(v_new), cfg.l_v, (S.BV, S.BT)),
             )
-            return tmas, (S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht))
+            return tmas, (S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht), chunks)
 
         @cute.kernel
-        def kda_cute_b1(self, tmas, mGk, mH0, mHt):
+        def kda_cute_b1(self, tmas, mGk, mH0, mHt, mChunks):
             w, kg, u, g, h, v = S.pairs(tmas)
             nst, nwg = cfg.stages, cfg.nwg
-            cta = S.Cta(cfg, mGk)
+            cta = S.Cta(cfg, mGk, mChunks)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
-            hk, T, NT, full, empty = cta.hk, cta.T, cta.NT, cta.mbar, cta.empty
+            hk, T, NT, c0, full, empty = cta.hk, cta.T, cta.NT, cta.c0, cta.mbar, cta.empty
             sW, sKg, sU, sH, sV = cta.tiles
             sGd = cta.sGd
             sH, sV = sH[None, None, wg], sV[None, None, wg]
@@ -138,7 +138,7 @@ def _b1_kernel(cfg):
             ]
             for i in cutlass.range_constexpr(nwg):
                 loads.append(S.load(u, sU, (S.BV, S.BT), (bv * nwg + i, None, hv, b), nwg, i))
-            S.prologue(full, nst, cfg.tx_bytes, loads, 0, 1, NT, tid, T, empty, 4 * nwg)  # 1 arrive / warp
+            S.prologue(full, nst, cfg.tx_bytes, loads, c0, 1, NT, tid, T, empty, 4 * nwg)  # 1 arrive / warp
 
             st_h = S.store(h, sH, (S.BV, S.KD), (vt, 0, hv, None, b))
             st_v = S.store(v, sV, (S.BV, S.BT), (vt, None, hv, b))
@@ -178,9 +178,9 @@ def _b1_kernel(cfg):
                 cute.autovec_copy(vb, tPsV)
                 S.sync_smem_for_async_wg(bar)
                 if wtid == 0:
-                    S.store_chunk(st_h, c)
-                    S.store_chunk(st_v, c)
-                S.refill(full, empty, s, c, nst, NT, cfg.tx_bytes, loads, T, tid)
+                    S.store_chunk(st_h, c0 + c)
+                    S.store_chunk(st_v, c0 + c)
+                S.refill(full, empty, s, c, nst, NT, cfg.tx_bytes, loads, T, tid, c0)
 
             S.finish(acc, hs.tSgHt if cfg.store_ht else None, wtid)
 
@@ -189,28 +189,30 @@ def _b1_kernel(cfg):
 
 
 # ------------------------------------------------------------------------------------ host side
-def is_supported(kg, w, u, gk, initial_state=None, output_final_state=False) -> str | None:
+def is_supported(kg, w, u, gk, initial_state=None, output_final_state=False, chunks=None) -> str | None:
     """None when `fwd_h` runs the kernel on these arguments, else the reason (no DSL import)."""
-    return device_reason(u) or static_reason(kg, w, u, gk, initial_state)
+    return device_reason(u) or static_reason(kg, w, u, gk, initial_state, chunks)
 
 
-def static_reason(kg, w, u, gk, initial_state=None) -> str | None:
+def static_reason(kg, w, u, gk, initial_state=None, chunks=None) -> str | None:
     """Shape / dtype / layout checks (no device needed; the compile tests use this)."""
-    return P.operand_reason(kg, w, u, gk, initial_state)
+    return P.operand_reason(kg, w, u, gk, initial_state, chunks)
 
 
-def _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups):
+def _plan(kg, w, u, gk, initial_state, output_final_state, chunks, stages, warpgroups):
     B, T, HV, V = u.shape
-    stages, nwg = P.pick_build(variant(B, HV, V, P.sms_of(u)), stages, warpgroups, V)
+    N = P.seqs(u, chunks)
+    stages, nwg = P.pick_build(variant(N, HV, V, P.sms_of(u)), stages, warpgroups, V)
     K = kg.shape[-1]
     NT = (T + P.BT - 1) // P.BT
     dev = u.device
     h = alloc((B, NT, HV, K, V), u.dtype, dev)
     v_new = alloc(u.shape, u.dtype, dev)
-    ht = alloc((B, HV, K, V), torch.float32, dev) if output_final_state else None
+    ht = alloc((N, HV, K, V), torch.float32, dev) if output_final_state else None
     dummy = P.dummy(dev)
     h0 = initial_state if initial_state is not None else dummy
-    args = (kg, w, u, gk, h0, h, v_new, ht if ht is not None else dummy)
+    table, table_dyn = P.chunk_args(chunks, dev)
+    args = (kg, w, u, gk, h0, h, v_new, ht if ht is not None else dummy, table)
     dyn = (
         (0, 1),
         (0, 1),
@@ -220,37 +222,44 @@ def _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups):
         (0, 1),
         (0, 1),
         (0,) if ht is not None else (),
+        table_dyn,
     )
-    cfg = B1Config.of(u, kg, stages, nwg, has_h0=initial_state is not None, store_ht=bool(output_final_state))
+    cfg = B1Config.of(u, kg, stages, nwg, chunks, has_h0=initial_state is not None,
+                      store_ht=bool(output_final_state))
     return (h, v_new, ht), args, dyn, cfg
 
 
 def compile_for(
-    kg, w, u, gk, initial_state=None, output_final_state=False, *, stages=None, warpgroups=None
+    kg, w, u, gk, initial_state=None, output_final_state=False, chunks=None, *, stages=None, warpgroups=None
 ):
     """Compile without launching (CPU tests); returns the compiled object."""
-    _, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
+    _, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, chunks, stages, warpgroups)
     return S.compile_only(_B1, _b1_kernel, cfg, args, dyn)
 
 
 def fwd_h(
-    kg, w, u, gk, initial_state=None, output_final_state=False, *, stages=None, warpgroups=None
+    kg, w, u, gk, initial_state=None, output_final_state=False, chunks=None, *, stages=None, warpgroups=None
 ):
     """fla's `chunk_gated_delta_rule_fwd_h(k=kg, w, u, gk=gk, ...)` -> (h, v_new, ht); raises
     ValueError on a call the kernel cannot compute (shape, dtype, layout, device).
 
+    `chunks`: packed sequences (fla's cu_seqlens on a layout padded to whole chunks per
+    sequence): int32 [N + 1] chunk offsets; the operands are [1, T, ...], h0 / ht [N, ...].
+
     `stages` (TMA ring depth) and `warpgroups` (1: one 64-wide V tile per CTA; 2: two V tiles
     sharing the w / kg tiles, needs V % 128 == 0, else 1) select the compiled variant, by
     default `variant(B, HV, V, SMs)`."""
-    r = static_reason(kg, w, u, gk, initial_state) or device_reason(u)
+    r = static_reason(kg, w, u, gk, initial_state, chunks) or device_reason(u)
     if r is not None:
         raise ValueError(f"kda_cute.b1.fwd_h: unsupported call: {r}")
-    return launch(kg, w, u, gk, initial_state, output_final_state, stages=stages, warpgroups=warpgroups)
+    return launch(kg, w, u, gk, initial_state, output_final_state, chunks, stages=stages,
+                  warpgroups=warpgroups)
 
 
-def launch(kg, w, u, gk, initial_state=None, output_final_state=False, *, stages=None, warpgroups=None):
+def launch(kg, w, u, gk, initial_state=None, output_final_state=False, chunks=None, *, stages=None,
+           warpgroups=None):
     """`fwd_h` without its checks: for a caller whose `is_supported` just said None (the chain's
     gate), so a host-bound step does not pay for them twice."""
-    outs, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, stages, warpgroups)
+    outs, args, dyn, cfg = _plan(kg, w, u, gk, initial_state, output_final_state, chunks, stages, warpgroups)
     S.run_cached(_cache, _B1, _b1_kernel, cfg, args, dyn)
     return outs

@@ -114,7 +114,7 @@ def _dhu_kernel(cfg):
     import cutlass.cute as cute
 
     class K:
-        def operands(self, qg, kg, w, gk, dht, do, aqk, dh, dh0, dv2):
+        def operands(self, qg, kg, w, gk, dht, do, aqk, dh, dh0, dv2, chunks):
             # the kernel's arguments: its TMA operands (in its order), then the others
             tmas = (
                 S.tma_load(S.row_view(kg), cfg.l_kg, (S.BT, S.KD)),
@@ -126,15 +126,17 @@ def _dhu_kernel(cfg):
                 S.tma_store(S.col_view(dv2), cfg.l_v, (S.BV, S.BT)),
             )
             mmas = (S.mma_tt(cfg.dtype), S.mma_kv(cfg.dtype))
-            return tmas, (S.col_view(gk), S.fp32_state_view(dht), S.fp32_state_view(dh0), *mmas)
+            return tmas, (S.col_view(gk), S.fp32_state_view(dht), S.fp32_state_view(dh0), chunks, *mmas)
 
         @cute.kernel
-        def kda_cute_dhu(self, tmas, mGk, mDht, mDh0, mma_tt: cute.TiledMma, mma_kv: cute.TiledMma):
+        def kda_cute_dhu(self, tmas, mGk, mDht, mDh0, mChunks, mma_tt: cute.TiledMma,
+                         mma_kv: cute.TiledMma):
             kg, q, w, a, do, h, v = S.pairs(tmas)
             nst, nwg = cfg.stages, cfg.nwg
-            cta = S.Cta(cfg, mGk)
+            cta = S.Cta(cfg, mGk, mChunks)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
-            hk, hq, T, NT, mbar, sG = cta.hk, cta.hq, cta.T, cta.NT, cta.mbar, cta.sG
+            hk, hq, T, NT, c0, mbar, sG = cta.hk, cta.hq, cta.T, cta.NT, cta.c0, cta.mbar, cta.sG
+            seq = cta.seq
             sKg, sQ, sW, sA, sDo, sH, sV = cta.tiles
             sH, sV = sH[None, None, wg], sV[None, None, wg]
 
@@ -149,7 +151,7 @@ def _dhu_kernel(cfg):
             for i in cutlass.range_constexpr(nwg):
                 vti = bv * nwg + i
                 loads.append(S.load(do, sDo, (S.BV, S.BT), (vti, None, hv, b), nwg, i))
-            S.prologue(mbar, nst, cfg.tx_bytes, loads, NT - 1, -1, NT, tid)
+            S.prologue(mbar, nst, cfg.tx_bytes, loads, c0 + NT - 1, -1, NT, tid)
 
             thr_tt = mma_tt.get_slice(wtid)
             thr_kv = mma_kv.get_slice(wtid)
@@ -167,15 +169,15 @@ def _dhu_kernel(cfg):
             tSsH = thr_kv.partition_C(S.transposed(sH))
             tPsV = thr_tt.partition_C(S.transposed(sV))
 
-            tSgDh0 = thr_kv.partition_C(cute.local_tile(mDh0, (S.KD, S.BV), (0, vt, hv, b)))
-            gDht = cute.local_tile(mDht, (S.KD, S.BV), (0, vt, hv, b))
+            tSgDh0 = thr_kv.partition_C(cute.local_tile(mDh0, (S.KD, S.BV), (0, vt, hv, seq)))
+            gDht = cute.local_tile(mDht, (S.KD, S.BV), (0, vt, hv, seq))
             if cutlass.const_expr(cfg.has_dht):
                 cute.autovec_copy(thr_kv.partition_C(gDht), acc)
             else:
                 acc.fill(0.0)
 
             for j in cutlass.range(NT, unroll=1):
-                c = NT - 1 - j
+                c = c0 + NT - 1 - j  # (the chunk's index in the row: see S.Cta)
                 s = j % nst
                 phase = (j // nst) % 2
                 last = cutlass.min((c + 1) * S.BT, T) - 1
@@ -210,7 +212,7 @@ def _dhu_kernel(cfg):
                 cute.arch.sync_threads()
                 if tid < 32:  # warp 0 whole: see S.issue_chunk
                     if j + nst < NT:
-                        S.issue_chunk(mbar, s, cfg.tx_bytes, loads, NT - 1 - (j + nst))
+                        S.issue_chunk(mbar, s, cfg.tx_bytes, loads, c0 + NT - 1 - (j + nst))
 
             S.finish(acc, tSgDh0 if cfg.has_dh0 else None, wtid)
 
@@ -219,16 +221,20 @@ def _dhu_kernel(cfg):
 
 
 # ------------------------------------------------------------------------------------ host side
-def is_supported(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None) -> str | None:
-    return device_reason(do) or static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk)
+def is_supported(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, chunks=None) -> str | None:
+    return device_reason(do) or static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk, chunks)
 
 
-def static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None) -> str | None:
+def static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None) -> str | None:
     """Shape / dtype / layout checks and the grid floor (no device needed)."""
-    return hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk) or P.floor_reason(do.shape, GRID_FLOOR)
+    r = hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk, chunks)
+    if r:
+        return r
+    B, T, HV, V = do.shape
+    return P.floor_reason((P.seqs(do, chunks), T, HV, V), GRID_FLOOR)
 
 
-def hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None) -> str | None:
+def hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None) -> str | None:
     """What the kernel cannot compute at all (shape / dtype / layout)."""
     if Aqk is None or dv is not None:
         return "the kernel takes Aqk and no dv (it computes dv = tril(Aqk)^T do itself)"
@@ -257,25 +263,30 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None) -> str | None:
     for name, t in (("qg", qg), ("kg", kg), ("w", w), ("gk", gk), ("do", do), ("Aqk", Aqk)):
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
+    r = P.chunks_reason(chunks, do)
+    if r:
+        return r
     for name, t in (("h0", h0), ("dht", dht)):
-        r = P.state_reason(name, t, B, HV, K, V)
+        r = P.state_reason(name, t, P.seqs(do, chunks), HV, K, V)
         if r:
             return r
     return None
 
 
-def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, stages, warpgroups):
+def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups):
     B, T, HV, V = do.shape
-    stages, nwg = P.pick_build(variant(B, HV, V), stages, warpgroups, V)
+    N = P.seqs(do, chunks)
+    stages, nwg = P.pick_build(variant(N, HV, V), stages, warpgroups, V)
     K = w.shape[-1]
     if scale is None:
         scale = K**-0.5
     NT = (T + P.BT - 1) // P.BT
     dev = do.device
     dh = alloc((B, NT, HV, K, V), qg.dtype, dev)
-    dh0 = alloc((B, HV, K, V), torch.float32, dev) if h0 is not None else None
+    dh0 = alloc((N, HV, K, V), torch.float32, dev) if h0 is not None else None
     dv2 = alloc(do.shape, do.dtype, dev)
     dummy = P.dummy(dev)
+    table, table_dyn = P.chunk_args(chunks, dev)
     args = (
         qg,
         kg,
@@ -287,6 +298,7 @@ def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, stages, warpgroups):
         dh,
         dh0 if dh0 is not None else dummy,
         dv2,
+        table,
     )
     dyn = ((0, 1),) * 4 + (
         (0,) if dht is not None else (),
@@ -295,32 +307,37 @@ def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, stages, warpgroups):
         (0, 1),
         (0,) if dh0 is not None else (),
         (0, 1),
+        table_dyn,
     )
-    cfg = DhuConfig.of(do, kg, stages, nwg, ratio_q=HV // qg.shape[2], has_dh0=dh0 is not None,
+    cfg = DhuConfig.of(do, kg, stages, nwg, chunks, ratio_q=HV // qg.shape[2], has_dh0=dh0 is not None,
                        has_dht=dht is not None, scale=float(scale))
     return (dh, dh0, dv2), args, dyn, cfg
 
 
-def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, *, stages=None, warpgroups=None):
+def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, chunks=None, *, stages=None,
+                warpgroups=None):
     """Compile without launching (CPU tests); returns the compiled object."""
-    _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, stages, warpgroups)
+    _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups)
     return S.compile_only(_Dhu, _dhu_kernel, cfg, args, dyn)
 
 
-def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, *, stages=None, warpgroups=None):
+def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, chunks=None, *, stages=None,
+            warpgroups=None):
     """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2 in do's
     dtype). The contract's fused form only: dv None, Aqk given (dv2 = tril(Aqk)^T do + kg dh).
-    `stages` / `warpgroups`: the compiled variant (see b1.fwd_h). Raises ValueError on a call the
-    kernel cannot compute (shape, dtype, layout, device)."""
-    r = hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk) or device_reason(do)
+    `chunks`: packed sequences, as in b1.fwd_h (dht / dh0 [N, ...]). `stages` / `warpgroups`: the
+    compiled variant (see b1.fwd_h). Raises ValueError on a call the kernel cannot compute (shape,
+    dtype, layout, device)."""
+    r = hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk, chunks) or device_reason(do)
     if r is not None:
         raise ValueError(f"kda_cute.dhu.bwd_dhu: unsupported call: {r}")
-    return launch(qg, kg, w, gk, h0, dht, do, dv, scale, Aqk, stages=stages, warpgroups=warpgroups)
+    return launch(qg, kg, w, gk, h0, dht, do, dv, scale, Aqk, chunks, stages=stages, warpgroups=warpgroups)
 
 
-def launch(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, *, stages=None, warpgroups=None):
+def launch(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, chunks=None, *, stages=None,
+           warpgroups=None):
     """`bwd_dhu` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    outs, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, stages, warpgroups)
+    outs, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups)
     S.run_cached(_cache, _Dhu, _dhu_kernel, cfg, args, dyn)
     return outs

@@ -105,7 +105,7 @@ def _fwd_kernel(cfg):
     from cutlass.cute.nvgpu import warpgroup
 
     class K:
-        def operands(self, qg, kg, w, u, gk, aqk, h0, o, ht):
+        def operands(self, qg, kg, w, u, gk, aqk, h0, o, ht, chunks):
             # the kernel's arguments: its TMA operands (in its order), then the others
             tmas = (
                 S.tma_load(S.row_view(w), cfg.l_w, (S.BT, S.KD)),
@@ -116,15 +116,15 @@ def _fwd_kernel(cfg):
                 S.tma_load(S.col_view(gk), cfg.l_g, (S.KD, 1)),
                 S.tma_store(S.col_view(o), cfg.l_o, (S.BV, S.BT)),
             )
-            return tmas, (S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht))
+            return tmas, (S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht), chunks)
 
         @cute.kernel
-        def kda_cute_fwd(self, tmas, mGc, mH0, mHt):
+        def kda_cute_fwd(self, tmas, mGc, mH0, mHt, mChunks):
             w, q, kg, u, a, g, o = S.pairs(tmas)
             nst, nwg = cfg.stages, cfg.nwg
-            cta = S.Cta(cfg, mGc)
+            cta = S.Cta(cfg, mGc, mChunks)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
-            hk, T, NT, full, empty = cta.hk, cta.T, cta.NT, cta.mbar, cta.empty
+            hk, T, NT, c0, full, empty = cta.hk, cta.T, cta.NT, cta.c0, cta.mbar, cta.empty
             sW, sQ, sKg, sU, sA, sO = cta.tiles
             sGd, sO = cta.sGd, sO[None, None, wg]
 
@@ -140,7 +140,7 @@ def _fwd_kernel(cfg):
             st_o = (o[0], None, S.tma_part(o[0], sO, gOt)[1])
             for i in cutlass.range_constexpr(nwg):
                 loads.append(S.load(u, sU, (S.BV, S.BT), (bv * nwg + i, None, hv, b), nwg, i))
-            S.prologue(full, nst, cfg.tx_bytes, loads, 0, 1, NT, tid, T, empty, 4 * nwg)  # 1 arrive / warp
+            S.prologue(full, nst, cfg.tx_bytes, loads, c0, 1, NT, tid, T, empty, 4 * nwg)  # 1 arrive / warp
 
             hs = S.StateT(cfg, cta)  # h^T (v, k) and its GEMMs (mma_p also for o, over s)
             mma_p, mma_s, thr_p = hs.mma_p, hs.mma_s, hs.thr_p
@@ -180,8 +180,8 @@ def _fwd_kernel(cfg):
                 S.frag_to_smem(accO, thr_p.partition_C(sOc), cfg.dtype)
                 S.sync_smem_for_async_wg(bar)
                 if wtid == 0:
-                    S.store_chunk(st_o, c, S.tma_part(o[0], sOc, gOt)[0])
-                S.refill(full, empty, s, c, nst, NT, cfg.tx_bytes, loads, T, tid)
+                    S.store_chunk(st_o, c0 + c, S.tma_part(o[0], sOc, gOt)[0])
+                S.refill(full, empty, s, c, nst, NT, cfg.tx_bytes, loads, T, tid, c0)
 
             S.finish(acc, hs.tSgHt if cfg.store_ht else None, wtid)
 
@@ -191,21 +191,21 @@ def _fwd_kernel(cfg):
 
 # ------------------------------------------------------------------------------------ host side
 def is_supported(
-    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None
+    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, chunks=None
 ) -> str | None:
-    r = device_reason(u) or static_reason(q, qg, kg, w, u, gk, Aqk, initial_state)
+    r = device_reason(u) or static_reason(q, qg, kg, w, u, gk, Aqk, initial_state, chunks)
     if qg is None:  # say why the chain did not ask fwd_intra for it (u has v's shape and dtype)
-        why = plan_reason(q, u, initial_state)
+        why = plan_reason(q, u, initial_state, chunks)
         return f"{r}: {why}" if why and why != r else r
     return r
 
 
-def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
+def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None, chunks=None) -> str | None:
     """What the kernel cannot compute at all (shape / dtype / layout). q is not read by the
     kernel (qg replaces it), so it is not checked; qg must be what fwd_intra(want_qg=True) gives."""
     if qg is None:
         return "qg not computed by fwd_intra"
-    r = P.operand_reason(kg, w, u, gk, initial_state)
+    r = P.operand_reason(kg, w, u, gk, initial_state, chunks)
     if r:
         return r
     B, T, HV, V = u.shape
@@ -221,7 +221,7 @@ def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None) -> str | None:
     return None
 
 
-def plan_reason(q, v, initial_state=None) -> str | None:
+def plan_reason(q, v, initial_state=None, chunks=None) -> str | None:
     """Would this kernel take a chain call on q [B, T, H, K], v [B, T, HV, V]? From the chain's
     inputs alone, before fwd_intra runs: the chain asks fwd_intra for qg only when this is None.
 
@@ -245,60 +245,64 @@ def plan_reason(q, v, initial_state=None) -> str | None:
         return r
     if tuple(v.shape[:2]) != (B, T) or HV % H:
         return "v must be [B, T, HV, V] with HV % H == 0"
-    return P.state_reason("initial_state", initial_state, B, HV, K, V)
+    return P.chunks_reason(chunks, v) or P.state_reason("initial_state", initial_state, P.seqs(v, chunks),
+                                                        HV, K, V)
 
 
-def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups):
+def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks, stages, warpgroups):
     B, T, HV, V = u.shape
-    stages, nwg = P.pick_build(variant(B, HV, V), stages, warpgroups, V)
+    N = P.seqs(u, chunks)
+    stages, nwg = P.pick_build(variant(N, HV, V), stages, warpgroups, V)
     K = kg.shape[-1]
     if scale is None:
         scale = K**-0.5
     dev = u.device
     o = alloc(u.shape, u.dtype, dev)
-    ht = alloc((B, HV, K, V), torch.float32, dev) if output_final_state else None
+    ht = alloc((N, HV, K, V), torch.float32, dev) if output_final_state else None
     dummy = P.dummy(dev)
     h0 = initial_state if initial_state is not None else dummy
-    args = (qg, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy)
-    dyn = ((0, 1),) * 6 + ((0,) if initial_state is not None else (), (0, 1), (0,) if ht is not None else ())
-    cfg = FwdConfig.of(u, kg, stages, nwg, has_h0=initial_state is not None,
+    table, table_dyn = P.chunk_args(chunks, dev)
+    args = (qg, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy, table)
+    dyn = ((0, 1),) * 6 + ((0,) if initial_state is not None else (), (0, 1), (0,) if ht is not None else (),
+                           table_dyn)
+    cfg = FwdConfig.of(u, kg, stages, nwg, chunks, has_h0=initial_state is not None,
                        store_ht=bool(output_final_state), scale=float(scale))
     return (o, ht), args, dyn, cfg
 
 
 def compile_for(
-    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages=None,
-    warpgroups=None,
+    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, chunks=None, *,
+    stages=None, warpgroups=None,
 ):
     """Compile without launching (CPU tests); returns the compiled object. q is not read."""
     _, args, dyn, cfg = _plan(
-        qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
+        qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks, stages, warpgroups
     )
     return S.compile_only(_Fwd, _fwd_kernel, cfg, args, dyn)
 
 
 def fwd_scan(
-    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *, stages=None,
-    warpgroups=None,
+    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, chunks=None, *,
+    stages=None, warpgroups=None,
 ):
     """fwd_h + fwd_o fused -> (o, ht). qg = bf16(q * exp2(gk)) [B, T, HV, K] in u's dtype, as
     fla's fwd_intra stores it with disable_recompute (the chain's fwd_intra(want_qg=True)); q is
-    not read (it stays in the contract for fla and the reference). `stages` / `warpgroups`: the
-    compiled variant, by default `variant(B, HV, V)`. Raises ValueError on a call the kernel
-    cannot compute (shape, dtype, layout, device)."""
-    r = static_reason(q, qg, kg, w, u, gk, Aqk, initial_state) or device_reason(u)
+    not read (it stays in the contract for fla and the reference). `chunks`: packed sequences, as
+    in b1.fwd_h. `stages` / `warpgroups`: the compiled variant, by default `variant(B, HV, V)`.
+    Raises ValueError on a call the kernel cannot compute (shape, dtype, layout, device)."""
+    r = static_reason(q, qg, kg, w, u, gk, Aqk, initial_state, chunks) or device_reason(u)
     if r is not None:
         raise ValueError(f"kda_cute.fwd.fwd_scan: unsupported call: {r}")
-    return launch(q, qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages=stages,
-                  warpgroups=warpgroups)
+    return launch(q, qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks,
+                  stages=stages, warpgroups=warpgroups)
 
 
-def launch(q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, *,
-           stages=None, warpgroups=None):
+def launch(q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, chunks=None,
+           *, stages=None, warpgroups=None):
     """`fwd_scan` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
     outs, args, dyn, cfg = _plan(
-        qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, stages, warpgroups
+        qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks, stages, warpgroups
     )
     S.run_cached(_cache, _Fwd, _fwd_kernel, cfg, args, dyn)
     return outs

@@ -81,6 +81,26 @@ def floor_reason(shape_bthv, floor: int) -> str | None:
     return None
 
 
+def chunks_reason(chunks, u) -> str | None:
+    """A packed call's chunk table (`chunks`: int32 [N + 1] chunk offsets on u's device, each
+    sequence padded to whole chunks, as kda_chain.varlen builds it) against u [1, T, HV, V]. The
+    offsets themselves are not read here (that would sync): the table's builder checks them."""
+    if chunks is None:
+        return None
+    if chunks.dtype != torch.int32 or chunks.dim() != 1 or chunks.numel() < 2:
+        return "chunks must be an int32 [N + 1] table of chunk offsets"
+    if chunks.device != u.device or not chunks.is_contiguous():
+        return "chunks must be contiguous, on the operands' device"
+    if u.shape[0] != 1 or u.shape[1] % BT:
+        return "with chunks the operands are packed [1, T, ...], T a whole number of chunks"
+    return None
+
+
+def seqs(u, chunks) -> int:
+    """The number of state rows: B, or N sequences with a chunk table."""
+    return u.shape[0] if chunks is None else chunks.numel() - 1
+
+
 def state_reason(name: str, t, B: int, HV: int, K: int, V: int) -> str | None:
     """An optional fp32 [B, HV, K, V] state (h0, ht's gradient): None when absent or usable."""
     if t is None:
@@ -92,8 +112,8 @@ def state_reason(name: str, t, B: int, HV: int, K: int, V: int) -> str | None:
     return None
 
 
-def operand_reason(kg, w, u, gk, initial_state=None) -> str | None:
-    """The checks of fwd_h's operands (kg, w, u, gk, h0), which b1 and fwd share."""
+def operand_reason(kg, w, u, gk, initial_state=None, chunks=None) -> str | None:
+    """The checks of fwd_h's operands (kg, w, u, gk, h0, the chunk table), which b1 and fwd share."""
     if u.dtype not in DTYPES:
         return f"dtype {u.dtype} (bf16/fp16 only)"
     if kg.dtype != u.dtype or w.dtype != u.dtype:
@@ -116,7 +136,7 @@ def operand_reason(kg, w, u, gk, initial_state=None) -> str | None:
             return f"{name} is not contiguous"
         if t.data_ptr() % 16:
             return f"{name} is not 16-byte aligned"
-    return state_reason("initial_state", initial_state, B, HV, K, V)
+    return chunks_reason(chunks, u) or state_reason("initial_state", initial_state, seqs(u, chunks), HV, K, V)
 
 
 # ------------------------------------------------------------------------------------- builds
@@ -131,14 +151,16 @@ class ScanConfig:
     ratio_k: int  # HV // kg's heads
     stages: int
     nwg: int
+    varlen: bool = False  # a chunk table gives each CTA's sequence (grid z = N, not B)
     arch: str = dataclasses.field(default_factory=compile_arch)
 
     @classmethod
-    def of(cls, t: torch.Tensor, kg: torch.Tensor, stages: int, nwg: int, **fields):
-        """The config for operands like `t` ([B, T, HV, V] in the operand dtype) and kg's heads."""
+    def of(cls, t: torch.Tensor, kg: torch.Tensor, stages: int, nwg: int, chunks=None, **fields):
+        """The config for operands like `t` ([B, T, HV, V] in the operand dtype), kg's heads and
+        the chunk table (or None)."""
         HV = t.shape[2]
         return cls(dtype=DTYPES[t.dtype], V=t.shape[3], HV=HV, ratio_k=HV // kg.shape[2], stages=stages,
-                   nwg=nwg, **fields)
+                   nwg=nwg, varlen=chunks is not None, **fields)
 
 
 class Build:
@@ -160,3 +182,14 @@ def dummy(dev) -> torch.Tensor:
     if d is None:
         d = _dummies[dev] = torch.zeros((1, 1, KD, BV), dtype=torch.float32, device=dev)
     return d
+
+
+def chunk_args(chunks, dev) -> tuple:
+    """(the chunk-table argument, its dynamic dims): the table, or an int32 [2] placeholder a
+    fixed-length build never reads."""
+    if chunks is not None:
+        return chunks, (0,)
+    d = _dummies.get((dev, "chunks"))
+    if d is None:
+        d = _dummies[(dev, "chunks")] = torch.zeros(2, dtype=torch.int32, device=dev)
+    return d, ()

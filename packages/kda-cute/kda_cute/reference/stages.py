@@ -368,6 +368,31 @@ def _scan(kg, w, u, gk, initial_state, BT, dt, q=None, Aqk=None, scale=None, sto
             torch.stack(outs, 1) if q is not None else None, S)
 
 
+def _sequences(chunks: torch.Tensor, BT: int):
+    """A chunk table's sequences: (n, first token, end token) of each, on the packed row (each
+    sequence padded to whole chunks: kda_chain.varlen's layout). Reads the table on the host."""
+    offs = [int(c) * BT for c in chunks.tolist()]
+    return [(n, offs[n], offs[n + 1]) for n in range(len(offs) - 1)]
+
+
+def _state_row(state: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if state is None else state[n:n + 1]
+
+
+def _passed_state(state: torch.Tensor | None, n: int, like: torch.Tensor, K: int) -> torch.Tensor:
+    """An empty sequence's final state (or its initial state's gradient): its state row unchanged,
+    zeros without one ([1, HV, K, V], fp32; float64 for float64 `like`)."""
+    if state is not None:
+        return state[n:n + 1].clone()
+    dt = torch.float64 if like.dtype == torch.float64 else torch.float32
+    return like.new_zeros(1, like.shape[2], K, like.shape[3], dtype=dt)
+
+
+def _cat(parts: list, like: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """The sequences' pieces along the packed row (an empty piece list: `like` cut to size 0)."""
+    return torch.cat(parts, dim) if parts else like.narrow(dim, 0, 0)
+
+
 def fwd_h(
     kg: torch.Tensor,
     w: torch.Tensor,
@@ -376,11 +401,25 @@ def fwd_h(
     initial_state: torch.Tensor | None,
     output_final_state: bool,
     chunk_size: int = 64,
+    chunks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The chunk state scan (fla: chunk_gated_delta_rule_fwd_h with gk).
 
     Returns h [B,NT,HV,K,V] in kg.dtype (h[:, c] = state entering chunk c), v_new = u - w h
-    [B,T,HV,V] in u.dtype, ht [B,HV,K,V] float32 or None."""
+    [B,T,HV,V] in u.dtype, ht [B,HV,K,V] float32 or None. `chunks` (int32 [N + 1] chunk
+    offsets of packed sequences on a [1, T] row, the CuTe scans' table): one scan per sequence,
+    each from its own initial_state row; ht [N, HV, K, V]."""
+    if chunks is not None:
+        hs, vs, hts = [], [], []
+        for n, a, b in _sequences(chunks, chunk_size):
+            if a == b:  # an empty sequence: its state passes through
+                hts.append(_passed_state(initial_state, n, u, kg.shape[-1]))
+                continue
+            h0 = _state_row(initial_state, n)
+            h, v, ht = fwd_h(kg[:, a:b], w[:, a:b], u[:, a:b], gk[:, a:b], h0, True, chunk_size)
+            hs, vs, hts = hs + [h], vs + [v], hts + [ht]
+        h_like = kg.new_empty(1, 0, u.shape[2], kg.shape[-1], u.shape[-1])
+        return _cat(hs, h_like), _cat(vs, u), (torch.cat(hts) if output_final_state else None)
     T, BT = u.shape[1], chunk_size
     dt = compute_dtype(kg, w, u, gk, initial_state)
     h, vnew, _, S = _scan(
@@ -419,10 +458,22 @@ def fwd_scan(
     initial_state: torch.Tensor | None,
     output_final_state: bool,
     scale: float,
+    chunks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fwd_h and fwd_o fused: the readout happens inside the scan, h is never stored.
     qg (fwd_intra's, or None) is ignored: the oracle gates q with gk itself, in the compute dtype.
-    Returns o [B,T,HV,V] in u.dtype and ht [B,HV,K,V] float32 or None."""
+    Returns o [B,T,HV,V] in u.dtype and ht [B,HV,K,V] float32 or None. `chunks`: as fwd_h's."""
+    if chunks is not None:
+        os_, hts = [], []
+        for n, a, b in _sequences(chunks, Aqk.shape[-1]):
+            if a == b:
+                hts.append(_passed_state(initial_state, n, u, kg.shape[-1]))
+                continue
+            h0 = _state_row(initial_state, n)
+            o, ht = fwd_scan(q[:, a:b], None, kg[:, a:b], w[:, a:b], u[:, a:b], gk[:, a:b], Aqk[:, a:b], h0,
+                             True, scale)
+            os_, hts = os_ + [o], hts + [ht]
+        return _cat(os_, u), (torch.cat(hts) if output_final_state else None)
     T, HV = u.shape[1], u.shape[2]
     BT = Aqk.shape[-1]
     dt = compute_dtype(q, kg, w, u, gk, Aqk, initial_state)
@@ -469,6 +520,7 @@ def bwd_dhu(
     scale: float,
     Aqk: torch.Tensor | None = None,
     chunk_size: int = 64,
+    chunks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The reverse state scan (fla: chunk_gated_delta_rule_bwd_dhu with gk).
 
@@ -477,7 +529,23 @@ def bwd_dhu(
     With Aqk (the fused form, kda_cute_dhu's): dv_c = tril(Aqk_c)^T do_c (bwd_dAv's dv, computed
     here; plus the given dv if any). Returns dh [B,NT,HV,K,V] in qg.dtype, dh0 [B,HV,K,V] float32
     (None when h0 is None), dv2 [B,T,HV,V] in dv.dtype, do's without dv (the total gradient of
-    v_new)."""
+    v_new). `chunks`: as fwd_h's (one reverse scan per sequence from its dht row; dh0 [N, ...])."""
+    if chunks is not None:
+        dhs, dv2s, dh0s = [], [], []
+        V = do.shape[-1]
+        for n, a, b in _sequences(chunks, chunk_size):
+            if a == b:
+                dh0s.append(_passed_state(dht, n, do, qg.shape[-1]))
+                continue
+            rows = slice(a, b)
+            # (a non-None h0 asks for dh0: bwd_dhu reads h0 for that alone)
+            dh, dh0, dv2 = bwd_dhu(qg[:, rows], kg[:, rows], w[:, rows], gk[:, rows], do.new_zeros(1),
+                                   _state_row(dht, n), do[:, rows], None if dv is None else dv[:, rows],
+                                   scale,
+                                   None if Aqk is None else Aqk[:, rows], chunk_size)
+            dhs, dv2s, dh0s = dhs + [dh], dv2s + [dv2], dh0s + [dh0]
+        dh_like = qg.new_empty(1, 0, do.shape[2], qg.shape[-1], V)
+        return _cat(dhs, dh_like), (torch.cat(dh0s) if h0 is not None else None), _cat(dv2s, do)
     B, T, HV, K = qg.shape
     V, BT = do.shape[-1], chunk_size
     dt = compute_dtype(qg, kg, w, gk, h0, dht, do, dv, Aqk)
