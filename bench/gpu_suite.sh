@@ -3,7 +3,7 @@
 # $OUT (at most 8 files come back: suite.log, bench.json, chain_errors.json, triton-autotune.tar,
 # triton-cache.tar.xz with savecache). Each step has its own time limit, so one slow step cannot eat the call.
 #
-#   bash bench/gpu_suite.sh [steps]   steps: witness witness_keep intra scans stages launch tvmffi train soak shared tests fp16 bench peer ncu save savecache
+#   bash bench/gpu_suite.sh [steps]   steps: witness witness_keep varlen intra scans stages launch tvmffi train soak shared tests fp16 bench peer ncu save savecache
 #                                     (default: all but fp16, ncu, savecache)
 #
 # On a 2-GPU machine two lanes run side by side, each with its own OUT and GPU, `save` once last:
@@ -53,6 +53,9 @@ for s in $steps; do
       ;;
     witness_keep)  # disable_recompute=True: the forward keeps w, u, qg, kg, h, v_new for the backward
       step witness_keep 150 python -m kda_chain.witness --reps 5 --disable-recompute ;;
+    varlen)  # packed sequences: the GPU tests (vs fla and float64), then the speed (bench/varlen.py)
+      step varlen_tests ${VARLEN_LIMIT:-300} python -m pytest -p no:cacheprovider -v --timeout=280 tests/gpu/test_varlen_gpu.py
+      step varlen_bench ${VARLEN_BENCH_LIMIT:-300} python bench/varlen.py --json "$OUT/varlen.json" ;;
     intra)
       step check_intra 200 python bench/check_intra.py ;;
     scans)  # one process per scan: a hang costs only its own limit

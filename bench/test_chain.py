@@ -14,6 +14,7 @@ op), prepared once outside the timing, so the four rows compare the same work.
 
 from __future__ import annotations
 
+import peers
 import pytest
 import torch
 from conftest import KDA_FLAGS, SHAPES, make_inputs, selected_shapes
@@ -109,17 +110,10 @@ def test_chain_vs_peer(benchmark, shape, impl, mode):
 
 
 def _cudnn_kda():
-    """cuDNN-frontend's KDA, its NVRTC pointed at the CUDA 13 headers the device kit carries."""
-    pytest.importorskip("cudnn.linear_attention.ops", reason="cuDNN-frontend 1.32 peer not installed")
-    import os
-    from pathlib import Path
-
-    from cudnn.linear_attention.cake import compiler
-    from cudnn.linear_attention.ops import kimi_delta_attention
-
-    inc = Path(os.environ.get("KDA_PEER_INCLUDE", "/tmp/kda-peer/nvidia/cu13/include"))
-    compiler.cuda_include_dirs = lambda: (inc, inc / "cccl")
-    return kimi_delta_attention
+    kda = peers.cudnn_kda()
+    if kda is None:
+        pytest.skip("cuDNN-frontend 1.32 peer not installed")
+    return kda
 
 
 def _cudnn_step(leaves, do, backward: bool):

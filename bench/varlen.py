@@ -1,0 +1,144 @@
+"""Packed sequences (cu_seqlens): ours against fla 0.6.0 and cuDNN-frontend's packed KDA, and against
+the same number of tokens at fixed length, fwd+bwd, side by side in one process.
+
+Lengths: drawn uniformly from 1..8192 (seeded) until they fill `--total` tokens (the last one cut
+to fit), so most sequences end in a partial chunk. Two setups, each timed with CUDA events
+(median of `--reps` after warm-up; bench/cuda_clock.median_ms):
+
+  ref    H16 K128 V256 bf16, gate + l2norm in the op (the reference shape's flags): packed ours
+         and fla; fixed length B16 T8192 (same total) ours and fla
+  peer   H16 K=V=128 on cuDNN's inputs (l2-normalized q / k, the fp32 log gate, fp32 beta): packed
+         ours, fla and cuDNN; fixed length B16 T8192 ours
+
+and the peak memory of one packed fwd+bwd (ours, fla). Prints a table, writes --json.
+
+    python bench/varlen.py [--total 131072] [--reps 10] [--json $OUT/varlen.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import peers
+import torch
+from conftest import KDA_FLAGS, make_inputs
+from cuda_clock import median_ms
+
+
+def lengths(total: int, seed: int = 0, top: int = 8192) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    while sum(out) < total:
+        out.append(int(torch.randint(1, top + 1, (1,), generator=gen)))
+    out[-1] -= sum(out) - total
+    return [n for n in out if n > 0]
+
+
+def _flat(x: dict, B: int, T: int) -> dict:
+    """[B, T, ...] leaves as one packed row [1, B*T, ...] (fresh leaves)."""
+    return {n: (t.detach().reshape(1, B * T, *t.shape[2:]).requires_grad_(True) if t.dim() > 1 else t)
+            for n, t in x.items()}
+
+
+def _step(fn, x, do, **kw):
+    leaves = [x[n] for n in ("q", "k", "v", "g", "beta") if x[n].requires_grad]
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        o, _ = fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        o.backward(do)
+    return run
+
+
+def peak_mb(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--total", type=int, default=131072)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    from fla.ops.kda import chunk_kda as fla_kda
+    from kda_chain import chunk_kda as ours_kda
+
+    lens = lengths(a.total)
+    offs = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu, cu_cpu = offs.cuda(), offs.long()
+    B, T = 16, a.total // 16
+    print(f"varlen: {len(lens)} sequences, {a.total} tokens (min {min(lens)}, max {max(lens)}, "
+          f"{sum(n % 64 != 0 for n in lens)} ending in a partial chunk)")
+    res: dict = {"lengths": lens}
+
+    def t(name, fn):
+        ms = median_ms(fn, warmup=2, reps=a.reps)
+        res[name] = ms
+        print(f"  {name:28s} {ms:9.3f} ms", flush=True)
+        return ms
+
+    # ref: the reference shape's flags, the raw gate through the op
+    x = make_inputs(B=B, T=T, H=16, HV=16, K=128, V=256)
+    do = torch.randn_like(x["v"])
+    xp, dop = _flat(x, B, T), do.reshape(1, B * T, 16, 256)
+    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], **KDA_FLAGS)
+    pk = dict(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **kw)
+    print("ref (H16 K128 V256, gate + l2norm in op), fwd+bwd:")
+    t("ref ours dense B16", _step(ours_kda, x, do, **kw))
+    t("ref fla dense B16", _step(fla_kda, x, do, **kw))
+    t("ref ours packed", _step(ours_kda, xp, dop, **pk))
+    t("ref fla packed", _step(fla_kda, xp, dop, **pk))
+    res["ref peak MB ours packed"] = peak_mb(_step(ours_kda, xp, dop, **pk))
+    res["ref peak MB fla packed"] = peak_mb(_step(fla_kda, xp, dop, **pk))
+    print(f"  peak MB packed: ours {res['ref peak MB ours packed']:.0f}, "
+          f"fla {res['ref peak MB fla packed']:.0f}")
+    del x, xp, do, dop
+
+    # peer: cuDNN's inputs at K = V = 128
+    from test_chain import _peer_inputs
+
+    x = make_inputs(B=B, T=T, H=16, HV=16, K=128, V=128)
+    q, k, v, gate, beta = _peer_inputs(x)
+    do = torch.randn_like(x["v"])
+    dense = dict(q=q, k=k, v=v, g=gate, beta=beta)
+    xp, dop = _flat(dense, B, T), do.reshape(1, B * T, 16, 128)
+    print("peer (H16 K=V=128, cuDNN's inputs), fwd+bwd:")
+    t("peer ours dense B16", _step(ours_kda, dense, do))
+    t("peer ours packed", _step(ours_kda, xp, dop, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu))
+    t("peer fla packed", _step(fla_kda, xp, dop, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu))
+    kda = peers.cudnn_kda()
+    if kda is not None:
+        flat = [xp[n].detach().reshape(a.total, 16, -1).requires_grad_(True) for n in ("q", "k", "v", "g")]
+        fb = xp["beta"].detach().reshape(a.total, 16).requires_grad_(True)
+        fdo = dop.reshape(a.total, 16, 128)
+
+        def cudnn():
+            for t_ in (*flat, fb):
+                t_.grad = None
+            o, _ = kda(*flat, fb, cu)
+            o.backward(fdo)
+        t("peer cudnn packed", cudnn)
+    r = res
+    print(f"ref: packed / dense (ours) {r['ref ours packed'] / r['ref ours dense B16']:.3f}; over fla: "
+          f"packed {r['ref fla packed'] / r['ref ours packed']:.2f}x, "
+          f"dense {r['ref fla dense B16'] / r['ref ours dense B16']:.2f}x")
+    peer = f"peer: packed / dense (ours) {r['peer ours packed'] / r['peer ours dense B16']:.3f}; "
+    peer += f"fla / ours {r['peer fla packed'] / r['peer ours packed']:.2f}x"
+    if "peer cudnn packed" in r:
+        peer += f"; cudnn / ours {r['peer cudnn packed'] / r['peer ours packed']:.2f}x"
+    print(peer)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
