@@ -129,3 +129,67 @@ def test_b1_ptx_with_initial_and_final_state(sm90a, stages, nwg, V):
     h, v_new, ht = kda.emulate_b1(kg, w, u, gk, stages, nwg, h0=h0)
     want = rstages.fwd_h(kg.double(), w.double(), u.double(), gk.double(), h0.double(), True)
     _assert_matches((h, v_new, ht), want)
+
+
+# Packed sequences (the chunk table): N = 4 sequences of 1, 0, 2 and 3 chunks on one [1, 384] row,
+# one CTA per (V tile, head, sequence). The empty one runs no chunk (its state passes through
+# untouched), the 3-chunk one wraps the 2-stage ring, and every load / store but the first
+# sequence's sits at a chunk offset c0 > 0 of the row.
+PACKED = torch.tensor([0, 1, 1, 3, 6], dtype=torch.int32)
+PACKED_T = 64 * 6
+
+
+def _states(V, HV, seed):
+    """Per-sequence fp32 states [N, HV, 128, V] (h0 or dht)."""
+    return torch.randn(PACKED.numel() - 1, HV, 128, V, generator=torch.Generator().manual_seed(seed)) * 0.1
+
+
+def _assert_passes_through(got, state):
+    """The empty sequence (the table's second) leaves its state bitwise unchanged."""
+    assert torch.equal(got[1], state[1])
+
+
+@pytest.mark.parametrize("HV, V, nwg", [(2, 128, 2), (1, 64, 1)])
+def test_b1_ptx_packed_sequences(sm90a, HV, V, nwg):
+    """b1 with a chunk table and per-sequence h0 / ht: h, v_new and ht match the float64
+    reference run per sequence (`chunks=`), so each CTA walks its own chunks [chunks[z],
+    chunks[z + 1]) from its own h0 row and writes its own ht row; the 0-chunk sequence's ht is
+    its h0 exactly. (2, 128, 2): GVA (one k head for two value heads), two warpgroups."""
+    kg, w, u, gk = kda.scan_inputs(B=1, T=PACKED_T, H=1, HV=HV, V=V)
+    h0 = _states(V, HV, 6)
+    h, v_new, ht = kda.emulate_b1(kg, w, u, gk, 2, nwg, h0=h0, chunks=PACKED)
+    want = rstages.fwd_h(kg.double(), w.double(), u.double(), gk.double(), h0.double(), True, chunks=PACKED)
+    _assert_matches((h, v_new, ht), want)
+    _assert_passes_through(ht, h0)
+
+
+def test_fwd_ptx_packed_sequences(sm90a):
+    """fwd with a chunk table and per-sequence h0 / ht (GVA: HV = 2 over one k head, V = 64, one
+    warpgroup): o and ht match the float64 reference run per sequence; the 0-chunk sequence's
+    ht is its h0 exactly."""
+    HV, V = 2, 64
+    kg, w, u, gk = kda.scan_inputs(B=1, T=PACKED_T, H=1, HV=HV, V=V)
+    q, qg, Aqk = kda.q_and_aqk(1, PACKED_T, HV, gk)
+    h0 = _states(V, HV, 7)
+    o, ht = kda.emulate_fwd(qg, kg, w, u, gk, Aqk, 0.088, 2, 1, h0=h0, chunks=PACKED)
+    want = rstages.fwd_scan(q.double(), None, kg.double(), w.double(), u.double(), gk.double(),
+                            Aqk.double(), h0.double(), True, 0.088, chunks=PACKED)
+    _assert_matches((o, ht), want)
+    _assert_passes_through(ht, h0)
+
+
+def test_dhu_ptx_packed_sequences(sm90a):
+    """dhu with a chunk table and per-sequence dht / dh0 (V = 128, two warpgroups): each CTA runs
+    its sequence's chunks last to first from its dht row; dh, dv2 and dh0 match the float64
+    reference run per sequence; the 0-chunk sequence's dh0 is its dht exactly."""
+    HV, V = 1, 128
+    kg, w, u, gk = kda.scan_inputs(B=1, T=PACKED_T, H=HV, HV=HV, V=V)
+    _, qg, Aqk = kda.q_and_aqk(1, PACKED_T, HV, gk)
+    do = kda.upstream_do(1, PACKED_T, HV, V, torch.Generator().manual_seed(8))
+    dht = _states(V, HV, 9)
+    dh, dv2, dh0 = kda.emulate_dhu(qg, kg, w, gk, do, Aqk, 0.088, 2, 2, dht=dht, chunks=PACKED)
+    h0 = torch.zeros(dht.shape, dtype=torch.float64)
+    want = rstages.bwd_dhu(qg.double(), kg.double(), w.double(), gk.double(), h0, dht.double(),
+                           do.double(), None, 0.088, Aqk.double(), chunks=PACKED)
+    _assert_matches((dh, dh0, dv2), want)
+    _assert_passes_through(dh0, dht)

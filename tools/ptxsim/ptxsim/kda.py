@@ -12,9 +12,11 @@ share (`scan_inputs`, `q_and_aqk`, `upstream_do`).
 The scans' checks, as the interpreter runs them, are of logic (indices, buffers, barrier phases,
 the accumulator-to-A view, the waits), with operand reads as late as the hardware may make them
 (see `hopper`): removing b1's store read wait before its named barrier gives h a 1.4 relative
-error here. Not modelled: the state tensors' (h0 / ht, dht / dh0) batch fields, so runs with a
-state are B = 1 only; tensor maps of layouts other than the ones below; the intra kernel's
-launch beyond `ntid` = 256 (its block) and one CTA per (chunk, value head, batch).
+error here. The scans also run packed (`chunks`: the int32 [N + 1] chunk table, one CTA per
+(V tile, head, sequence), operands [1, T, ...]); their fp32 states (h0 / ht, dht / dh0) are
+[B, ...] or with a table [N, ...] (the batch stride is static, so only their pointers and row
+counts go in the params). Not modelled: tensor maps of layouts other than the ones below; the
+intra kernel's launch beyond `ntid` = 256 (its block) and one CTA per (chunk, value head, batch).
 """
 
 import torch
@@ -95,38 +97,59 @@ def state_map(base, t):
                      (64, 128, 1, 1, 1), e, 128, (True, True, True, False, False))
 
 
-def state_params(prog, first, gk_base, T, B, HV, K, dummy_base):
+def state_params(prog, first, gk_base, T, B, HV, K, dummy_base, states=None, table=None):
     """The scans' tensor params after their tensor maps: mG (pointer, T and B as int32, B's
-    stride), then h0 / ht (pointers to a dummy; a caller with a state sets them after)."""
+    stride), the two fp32 states (pointer, row count: `states` = ((base, rows), (base, rows)),
+    default a dummy of 0 rows), then the chunk table (`table` = (base, N + 1); None: a
+    fixed-length build, whose placeholder table is never read)."""
     names = [n for n, _ in prog.params]
     params = {(names[first], 0): gk_base, (names[first], 8): T | (B << 32), (names[first], 16): T * HV * K}
-    for i in (first + 1, first + 2):
-        params[(names[i], 0)] = dummy_base
-        params[(names[i], 8)] = 0
+    for i, (base, rows) in zip((first + 1, first + 2), states or ((dummy_base, 0),) * 2, strict=True):
+        params[(names[i], 0)] = base
+        params[(names[i], 8)] = rows
+    if table is not None:
+        params[(names[first + 3], 0)], params[(names[first + 3], 8)] = table
     return params
 
 
-def emulate_b1(kg, w, u, gk, stages, nwg, mod=None, h0=None):
+def _layout(u, chunks):
+    """(B, T, HV, V, NT, the grid's z = the state rows): B, or N sequences with a chunk table
+    (then the operands are one packed row of whole chunks)."""
+    B, T, HV, V = u.shape
+    if chunks is not None:
+        assert chunks.dtype == torch.int32 and B == 1 and T % 64 == 0
+    return B, T, HV, V, (T + 63) // 64, B if chunks is None else chunks.numel() - 1
+
+
+def _table(chunks):
+    """The chunk-table kwarg of compile_for (none for a fixed-length call, so a candidate module
+    from before the table still compiles) and the table laid out in gmem (a dummy without one)."""
+    if chunks is None:
+        return {}, torch.zeros(2, dtype=torch.int32)
+    return {"chunks": chunks}, chunks.contiguous()
+
+
+def emulate_b1(kg, w, u, gk, stages, nwg, mod=None, h0=None, chunks=None):
     """Compile b1 for these CPU tensors (sm_90a), run its PTX on every CTA, return (h, v_new),
-    and ht when h0 is given (then both states are real tensors; B = 1 only: their params'
-    batch fields are not modelled). `mod`: the b1 module to compile (default kda_cute.b1; a
-    candidate package's copy)."""
+    and ht when h0 is given (then both states are real [rows, HV, K, V] tensors). `chunks`: the
+    packed form (operands [1, T, ...], h0 / ht [N, ...], grid z = N). `mod`: the b1 module to
+    compile (default kda_cute.b1; a candidate package's copy)."""
     if mod is None:
         from kda_cute import b1 as mod
-    B, T, HV, V = u.shape
+    B, T, HV, V, NT, Z = _layout(u, chunks)
     K = kg.shape[3]
-    NT = (T + 63) // 64
     state = h0 is not None
-    assert not state or B == 1
-    text = ptx_text(mod.compile_for(kg, w, u, gk, h0, state, stages=stages, warpgroups=nwg))
+    kw, table = _table(chunks)
+    text = ptx_text(mod.compile_for(kg, w, u, gk, h0, state, **kw, stages=stages, warpgroups=nwg))
     assert text, "no PTX on the compiled object"
     prog = named_barriers(InlineAsmProgram(text))
     h = torch.full((B, NT, HV, K, V), float("nan"), dtype=u.dtype)
     v_new = torch.full_like(u, float("nan"))
-    ht = torch.full((B, HV, K, V), float("nan"))
+    ht = torch.full((Z, HV, K, V), float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
     h0t = h0 if state else dummy
-    gmem, (bkg, bw, bu, bg, bd, bh, bv, b0, bt) = global_memory([kg, w, u, gk, dummy, h, v_new, h0t, ht])
+    gmem, (bkg, bw, bu, bg, bd, bh, bv, b0, bt, bc) = global_memory(
+        [kg, w, u, gk, dummy, h, v_new, h0t, ht, table])
     tmas = {  # kernel args: (atom, tma) pairs for w, kg, u, gd, then the h and v_new stores
         param_address(0): token_map(bw, w, 64),
         param_address(2): token_map(bkg, kg, 64),
@@ -135,35 +158,33 @@ def emulate_b1(kg, w, u, gk, stages, nwg, mod=None, h0=None):
         param_address(8): state_map(bh, h),
         param_address(10): token_map(bv, v_new, 64),
     }
-    params = state_params(prog, 12, bg, T, B, HV, K, bd)
-    if state:
-        names = [n for n, _ in prog.params]
-        params[(names[13], 0)], params[(names[14], 0)] = b0, bt
-    run_grid(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
+    states = ((b0, Z), (bt, Z)) if state else None
+    params = state_params(prog, 12, bg, T, B, HV, K, bd, states, None if chunks is None else (bc, Z + 1))
+    run_grid(prog, gmem, params, tmas, (V // (64 * nwg), HV, Z), 128 * nwg)
     out = (readback(gmem, h, bh), readback(gmem, v_new, bv))
     return (*out, readback(gmem, ht, bt)) if state else out
 
 
-def emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None, h0=None):
-    """Compile fwd, run its PTX on every CTA, return o, and ht when `h0` is given (B = 1 only:
-    the state params' batch fields are not modelled). Either form: the smem-operand kernel
-    (tensor maps w, qg, kg, u, Aqk, then the o store) or the register-A one (gk's last row by
-    TMA too, before the o store)."""
+def emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None, h0=None, chunks=None):
+    """Compile fwd, run its PTX on every CTA, return o, and ht when `h0` is given ([rows, HV, K,
+    V]; `chunks`: packed, as emulate_b1's). Either form: the smem-operand kernel (tensor maps w,
+    qg, kg, u, Aqk, then the o store) or the register-A one (gk's last row by TMA too, before
+    the o store)."""
     if mod is None:
         from kda_cute import fwd as mod
-    B, T, HV, V = u.shape
+    B, T, HV, V, _, Z = _layout(u, chunks)
     K = kg.shape[3]
     state = h0 is not None
-    assert not state or B == 1
-    text = ptx_text(mod.compile_for(None, qg, kg, w, u, gk, Aqk, h0, state, scale, stages=stages,
+    kw, table = _table(chunks)
+    text = ptx_text(mod.compile_for(None, qg, kg, w, u, gk, Aqk, h0, state, scale, **kw, stages=stages,
                                     warpgroups=nwg))
     assert text, "no PTX on the compiled object"
     prog = named_barriers(InlineAsmProgram(text))
     o = torch.full_like(u, float("nan"))
-    ht = torch.full((B, HV, K, V), float("nan"))
+    ht = torch.full((Z, HV, K, V), float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
-    gmem, (bq, bkg, bw, bu, bg, ba, bd, bo, b0, bt) = global_memory(
-        [qg, kg, w, u, gk, Aqk, dummy, o, h0 if state else dummy, ht])
+    gmem, (bq, bkg, bw, bu, bg, ba, bd, bo, b0, bt, bc) = global_memory(
+        [qg, kg, w, u, gk, Aqk, dummy, o, h0 if state else dummy, ht, table])
     tmas = {
         param_address(0): token_map(bw, w, 64),
         param_address(2): token_map(bq, qg, 64),
@@ -175,37 +196,35 @@ def emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None, h0=None):
     if n_maps == 7:  # register-A form
         tmas[param_address(10)] = token_map(bg, gk, 128, swizzle=0, rows=1)
     tmas[param_address(2 * n_maps - 2)] = token_map(bo, o, 64)
-    params = state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd)
-    if state:
-        names = [n for n, _ in prog.params]
-        params[(names[2 * n_maps + 1], 0)], params[(names[2 * n_maps + 2], 0)] = b0, bt
-    run_grid(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
+    states = ((b0, Z), (bt, Z)) if state else None
+    params = state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd, states,
+                          None if chunks is None else (bc, Z + 1))
+    run_grid(prog, gmem, params, tmas, (V // (64 * nwg), HV, Z), 128 * nwg)
     o = readback(gmem, o, bo)
     return (o, readback(gmem, ht, bt)) if state else o
 
 
-def emulate_dhu(qg, kg, w, gk, do, Aqk, scale, stages, nwg, mod=None, dht=None):
+def emulate_dhu(qg, kg, w, gk, do, Aqk, scale, stages, nwg, mod=None, dht=None, chunks=None):
     """dhu (the fused form: dv = tril(Aqk)^T do inside): tensor maps kg, qg, w, Aqk, do, then the
     dh and dv2 stores. Returns (dh, dv2), and dh0 when `dht` is given (then an h0 is passed too, so
-    dh0 is written; B = 1 only: the state params' batch fields are not modelled)."""
+    dh0 is written; both [rows, HV, K, V]). `chunks`: packed, as emulate_b1's (dht / dh0 [N, ...])."""
     if mod is None:
         from kda_cute import dhu as mod
-    B, T, HV, V = do.shape
+    B, T, HV, V, NT, Z = _layout(do, chunks)
     K = qg.shape[3]
-    NT = (T + 63) // 64
     state = dht is not None
-    assert not state or B == 1
-    h0 = torch.zeros(B, HV, K, V) if state else None
-    text = ptx_text(mod.compile_for(qg, kg, w, gk, h0, dht, do, None, scale, Aqk, stages=stages,
+    h0 = torch.zeros(Z, HV, K, V) if state else None
+    kw, table = _table(chunks)
+    text = ptx_text(mod.compile_for(qg, kg, w, gk, h0, dht, do, None, scale, Aqk, **kw, stages=stages,
                                     warpgroups=nwg))
     assert text, "no PTX on the compiled object"
     prog = named_barriers(InlineAsmProgram(text))
     dh = torch.full((B, NT, HV, K, V), float("nan"), dtype=do.dtype)
     dv2 = torch.full_like(do, float("nan"))
-    dh0 = torch.full((B, HV, K, V), float("nan"))
+    dh0 = torch.full((Z, HV, K, V), float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
-    gmem, (bq, bkg, bw, bg, bdo, ba, bd, bh, bv, bt, b0) = global_memory(
-        [qg, kg, w, gk, do, Aqk, dummy, dh, dv2, dht if state else dummy, dh0])
+    gmem, (bq, bkg, bw, bg, bdo, ba, bd, bh, bv, bt, b0, bc) = global_memory(
+        [qg, kg, w, gk, do, Aqk, dummy, dh, dv2, dht if state else dummy, dh0, table])
     tmas = {
         param_address(0): token_map(bkg, kg, 64),
         param_address(2): token_map(bq, qg, 64),
@@ -216,11 +235,10 @@ def emulate_dhu(qg, kg, w, gk, do, Aqk, scale, stages, nwg, mod=None, dht=None):
     n_maps = sum(1 for _, size in prog.params if size == "128")
     tmas[param_address(2 * n_maps - 4)] = state_map(bh, dh)
     tmas[param_address(2 * n_maps - 2)] = token_map(bv, dv2, 64)
-    params = state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd)  # then dht, dh0: bare pointers
-    if state:
-        names = [n for n, _ in prog.params]
-        params[(names[2 * n_maps + 1], 0)], params[(names[2 * n_maps + 2], 0)] = bt, b0
-    run_grid(prog, gmem, params, tmas, (V // (64 * nwg), HV, B), 128 * nwg)
+    states = ((bt, Z), (b0, Z)) if state else None  # dht, dh0
+    params = state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd, states,
+                          None if chunks is None else (bc, Z + 1))
+    run_grid(prog, gmem, params, tmas, (V // (64 * nwg), HV, Z), 128 * nwg)
     out = (readback(gmem, dh, bh), readback(gmem, dv2, bv))
     return (*out, readback(gmem, dh0, b0)) if state else out
 
