@@ -12,7 +12,7 @@ to fit), so most sequences end in a partial chunk. Two setups, each timed with C
 
 and the peak memory of one packed fwd+bwd (ours, fla). Prints a table, writes --json.
 
-    python bench/varlen.py [--total 131072] [--reps 10] [--json $OUT/varlen.json]
+    python bench/varlen.py [--total 131072] [--reps 10] [--json $OUT/varlen.json] [--profile]
 """
 
 from __future__ import annotations
@@ -62,11 +62,24 @@ def peak_mb(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def top_kernels(fn, n: int = 25) -> None:
+    """One call of fn under torch.profiler: its n largest CUDA kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true", help="also print ours packed step's top kernels")
     a = ap.parse_args()
     from fla.ops.kda import chunk_kda as fla_kda
     from kda_chain import chunk_kda as ours_kda
@@ -95,6 +108,8 @@ def main() -> None:
     t("ref ours dense B16", _step(ours_kda, x, do, **kw))
     t("ref fla dense B16", _step(fla_kda, x, do, **kw))
     t("ref ours packed", _step(ours_kda, xp, dop, **pk))
+    if a.profile:
+        top_kernels(_step(ours_kda, xp, dop, **pk))
     t("ref fla packed", _step(fla_kda, xp, dop, **pk))
     res["ref peak MB ours packed"] = peak_mb(_step(ours_kda, xp, dop, **pk))
     res["ref peak MB fla packed"] = peak_mb(_step(fla_kda, xp, dop, **pk))

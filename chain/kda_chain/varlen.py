@@ -32,10 +32,12 @@ GATE_PAD = -1e30  # a raw gate whose step gate is exactly 0 in both of fla's for
 
 @dataclass(frozen=True)
 class Packing:
-    """Where each token goes: `index` (int64 [total_T], its row in the padded layout, on the
-    device), `chunks` (int32 [N + 1] chunk offsets, on the device), `T_pad` (the padded length)."""
+    """Where each token goes: `index` (int64 [total_T], its row in the padded layout), `pad`
+    (int64, the pad rows), `chunks` (int32 [N + 1] chunk offsets), all on the device; `T_pad`,
+    the padded length."""
 
     index: torch.Tensor
+    pad: torch.Tensor
     chunks: torch.Tensor
     T_pad: int
 
@@ -44,31 +46,75 @@ class Packing:
         return self.chunks.numel() - 1
 
 
+def _runs(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
+    """The concatenated ranges [starts[n], starts[n] + lens[n]) (int64, on their device; `total` =
+    sum(lens) from the host, so no sync)."""
+    n = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=total)
+    first = torch.cumsum(lens, 0) - lens  # each run's position in the output
+    return torch.arange(total, device=lens.device) - first[n] + starts[n]
+
+
 def packing(cu_seqlens: torch.Tensor, offsets: list[int]) -> Packing:
     """The padded layout of sequences with token offsets `cu_seqlens` (N + 1, on the device) whose
     host copy is `offsets` (only its per-sequence chunk counts are used on the host)."""
     dev = cu_seqlens.device
     counts = [-(-(b - a) // BT) for a, b in zip(offsets, offsets[1:], strict=False)]
-    T, N = offsets[-1], len(counts)
-    cu = cu_seqlens.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
+    T, N, T_pad = offsets[-1], len(counts), BT * sum(counts)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
     chunks = torch.zeros(N + 1, dtype=torch.int32, device=dev)
     torch.cumsum((lens + BT - 1) // BT, 0, out=chunks[1:])
-    seq = torch.repeat_interleave(torch.arange(N, device=dev), lens, output_size=T)
-    index = torch.arange(T, device=dev) - cu[seq] + chunks[seq].to(torch.int64) * BT
-    return Packing(index, chunks, BT * sum(counts))
+    starts = chunks[:-1].to(torch.int64) * BT
+    return Packing(_runs(starts, lens, T), _runs(starts + lens, chunks[1:] * BT - starts - lens, T_pad - T),
+                   chunks, T_pad)
+
+
+class _Pack(torch.autograd.Function):
+    """x [1, T, ...] -> the padded row [1, T_pad, ...]; its gradient gathers the rows back. Both
+    directions copy whole rows (no atomics: autograd's own index_select backward is an atomic
+    index_add, which cost ~10 ms a step at 131072 tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, index, pad, T_pad: int, fill: float):
+        ctx.save_for_backward(index)
+        ctx.shape = x.shape
+        out = x.new_empty((T_pad, x[0, 0].numel()))
+        out.index_fill_(0, pad, fill)
+        out.index_copy_(0, index, x.reshape(x.shape[1], -1))
+        return out.view(1, T_pad, *x.shape[2:])
+
+    @staticmethod
+    def backward(ctx, g):
+        (index,) = ctx.saved_tensors
+        rows = g.reshape(g.shape[1], -1).index_select(0, index)
+        return rows.view(ctx.shape), None, None, None, None
+
+
+class _Unpack(torch.autograd.Function):
+    """The padded row [1, T_pad, ...] -> [1, T, ...] (pad rows dropped); its gradient is a pack
+    with zeros in the pad rows."""
+
+    @staticmethod
+    def forward(ctx, y, index, pad):
+        ctx.save_for_backward(index, pad)
+        ctx.T_pad = y.shape[1]
+        rows = y.reshape(y.shape[1], -1).index_select(0, index)
+        return rows.view(1, index.numel(), *y.shape[2:])
+
+    @staticmethod
+    def backward(ctx, g):
+        index, pad = ctx.saved_tensors
+        return _Pack.apply(g, index, pad, ctx.T_pad, 0.0), None, None
 
 
 def pack(x: torch.Tensor, p: Packing, fill: float = 0.0, dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [1, total_T, ...] -> [1, T_pad, ...] (pad rows = `fill`; in `dtype` if given), differentiable."""
     x = x if dtype is None else x.to(dtype)
-    out = x.new_full((1, p.T_pad, *x.shape[2:]), fill)
-    return out.index_copy(1, p.index, x)
+    return _Pack.apply(x, p.index, p.pad, p.T_pad, fill)
 
 
 def unpack(y: torch.Tensor, p: Packing) -> torch.Tensor:
     """y [1, T_pad, ...] -> [1, total_T, ...] (the pad rows dropped), differentiable."""
-    return y.index_select(1, p.index)
+    return _Unpack.apply(y, p.index, p.pad)
 
 
 def pack_inputs(q, k, v, g, beta, p: Packing, *, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,

@@ -136,9 +136,16 @@ def test_packing_layout():
     p = varlen.packing(torch.tensor(offs, dtype=torch.int32), offs)
     assert p.chunks.tolist() == [0, 1, 1, 2, 4, 5] and p.T_pad == 5 * 64
     assert p.index[:2].tolist() == [0, 64] and p.index[-3:].tolist() == [256, 257, 258]
-    x = torch.randn(1, sum(lens), 2, 3)
+    assert sorted(p.index.tolist() + p.pad.tolist()) == list(range(320))  # every row exactly once
+    x = torch.randn(1, sum(lens), 2, 3, requires_grad=True)
     y = varlen.pack(x, p, -7.0)
     assert y.shape == (1, 320, 2, 3) and (y[:, 1:64] == -7.0).all() and torch.equal(varlen.unpack(y, p), x)
+    gy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, gy)
+    assert torch.equal(gx, varlen.unpack(gy, p))  # the pack's gradient gathers the real rows
+    yl = y.detach().requires_grad_(True)
+    (gyl,) = torch.autograd.grad(varlen.unpack(yl, p), yl, x.detach())
+    assert torch.equal(gyl, varlen.pack(x.detach(), p, 0.0))  # the unpack's: zeros in the pad rows
 
 
 def test_cu_seqlens_cpu_gives_the_same_call():
