@@ -55,7 +55,8 @@ for s in $steps; do
       step witness_keep 150 python -m kda_chain.witness --reps 5 --disable-recompute ;;
     varlen)  # packed sequences: the GPU tests (vs fla and float64), then the speed (bench/varlen.py)
       step varlen_bench ${VARLEN_BENCH_LIMIT:-300} python bench/varlen.py --json "$OUT/varlen.json" ${VARLEN_ARGS:-}
-      step varlen_tests ${VARLEN_LIMIT:-300} python -m pytest -p no:cacheprovider -v --timeout=280 tests/gpu/test_varlen_gpu.py ;;
+      step varlen_tests ${VARLEN_LIMIT:-300} python -m pytest -p no:cacheprovider -v --timeout=280 tests/gpu/test_varlen_gpu.py \
+        -k "${VARLEN_K:-varlen}" ;;
     intra)
       step check_intra 200 python bench/check_intra.py ;;
     scans)  # one process per scan: a hang costs only its own limit

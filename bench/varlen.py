@@ -92,11 +92,10 @@ def main() -> None:
           f"{sum(n % 64 != 0 for n in lens)} ending in a partial chunk)")
     res: dict = {"lengths": lens}
 
-    def t(name, fn):
-        ms = median_ms(fn, warmup=2, reps=a.reps)
-        res[name] = ms
-        print(f"  {name:28s} {ms:9.3f} ms", flush=True)
-        return ms
+    def save():
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
 
     # ref: the reference shape's flags, the raw gate through the op
     x = make_inputs(B=B, T=T, H=16, HV=16, K=128, V=256)
@@ -104,43 +103,45 @@ def main() -> None:
     xp, dop = _flat(x, B, T), do.reshape(1, B * T, 16, 256)
     kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], **KDA_FLAGS)
     pk = dict(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **kw)
-    print("ref (H16 K128 V256, gate + l2norm in op), fwd+bwd:")
-    t("ref ours dense B16", _step(ours_kda, x, do, **kw))
-    t("ref fla dense B16", _step(fla_kda, x, do, **kw))
-    t("ref ours packed", _step(ours_kda, xp, dop, **pk))
-    if a.profile:
-        top_kernels(_step(ours_kda, xp, dop, **pk))
-    t("ref fla packed", _step(fla_kda, xp, dop, **pk))
-    res["ref peak MB ours packed"] = peak_mb(_step(ours_kda, xp, dop, **pk))
-    res["ref peak MB fla packed"] = peak_mb(_step(fla_kda, xp, dop, **pk))
-    print(f"  peak MB packed: ours {res['ref peak MB ours packed']:.0f}, "
-          f"fla {res['ref peak MB fla packed']:.0f}")
-    del x, xp, do, dop
-
     # peer: cuDNN's inputs at K = V = 128
     from test_chain import _peer_inputs
 
-    x = make_inputs(B=B, T=T, H=16, HV=16, K=128, V=128)
-    q, k, v, gate, beta = _peer_inputs(x)
-    do = torch.randn_like(x["v"])
-    dense = dict(q=q, k=k, v=v, g=gate, beta=beta)
-    xp, dop = _flat(dense, B, T), do.reshape(1, B * T, 16, 128)
-    print("peer (H16 K=V=128, cuDNN's inputs), fwd+bwd:")
-    t("peer ours dense B16", _step(ours_kda, dense, do))
-    t("peer ours packed", _step(ours_kda, xp, dop, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu))
-    t("peer fla packed", _step(fla_kda, xp, dop, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu))
+    y = make_inputs(B=B, T=T, H=16, HV=16, K=128, V=128)
+    dense = dict(zip(("q", "k", "v", "g", "beta"), _peer_inputs(y), strict=True))
+    ydo = torch.randn_like(y["v"])
+    yp, ydop = _flat(dense, B, T), ydo.reshape(1, B * T, 16, 128)
+    ppk = dict(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    # ours and cuDNN first, fla last (its varlen kernels autotune on a fresh machine: minutes)
+    runs = [("ref ours dense B16", _step(ours_kda, x, do, **kw)),
+            ("ref ours packed", _step(ours_kda, xp, dop, **pk)),
+            ("peer ours dense B16", _step(ours_kda, dense, ydo)),
+            ("peer ours packed", _step(ours_kda, yp, ydop, **ppk))]
     kda = peers.cudnn_kda()
     if kda is not None:
-        flat = [xp[n].detach().reshape(a.total, 16, -1).requires_grad_(True) for n in ("q", "k", "v", "g")]
-        fb = xp["beta"].detach().reshape(a.total, 16).requires_grad_(True)
-        fdo = dop.reshape(a.total, 16, 128)
+        flat = [yp[n].detach().reshape(a.total, 16, -1).requires_grad_(True) for n in ("q", "k", "v", "g")]
+        fb = yp["beta"].detach().reshape(a.total, 16).requires_grad_(True)
+        fdo = ydop.reshape(a.total, 16, 128)
 
         def cudnn():
             for t_ in (*flat, fb):
                 t_.grad = None
             o, _ = kda(*flat, fb, cu)
             o.backward(fdo)
-        t("peer cudnn packed", cudnn)
+        runs.append(("peer cudnn packed", cudnn))
+    runs += [("ref fla dense B16", _step(fla_kda, x, do, **kw)),
+             ("ref fla packed", _step(fla_kda, xp, dop, **pk)),
+             ("peer fla packed", _step(fla_kda, yp, ydop, **ppk))]
+    print("fwd+bwd; ref: H16 K128 V256, gate + l2norm in op; peer: H16 K=V=128 on cuDNN's inputs")
+    for name, fn in runs:
+        res[name] = median_ms(fn, warmup=2, reps=a.reps)
+        print(f"  {name:28s} {res[name]:9.3f} ms", flush=True)
+        save()
+        if a.profile and name == "ref ours packed":
+            top_kernels(fn)
+    for who, fn in (("ours", _step(ours_kda, xp, dop, **pk)), ("fla", _step(fla_kda, xp, dop, **pk))):
+        res[f"ref peak MB {who} packed"] = peak_mb(fn)
+        print(f"  ref peak MB {who} packed {res[f'ref peak MB {who} packed']:9.0f}", flush=True)
+        save()
     r = res
     print(f"ref: packed / dense (ours) {r['ref ours packed'] / r['ref ours dense B16']:.3f}; over fla: "
           f"packed {r['ref fla packed'] / r['ref ours packed']:.2f}x, "
@@ -150,9 +151,6 @@ def main() -> None:
     if "peer cudnn packed" in r:
         peer += f"; cudnn / ours {r['peer cudnn packed'] / r['peer ours packed']:.2f}x"
     print(peer)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
