@@ -236,6 +236,8 @@ def _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initia
            lambda: f"cu_seqlens_cpu has {len(offs)} offsets, cu_seqlens {cu_seqlens.shape[0]}")
     _check_offsets(offs, q.shape[1])
     p = varlen.packing(cu_seqlens, offs)
+    if p.T_pad == q.shape[1]:  # every sequence whole chunks: the row is already the padded layout
+        return _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args, chunks=p.chunks)
     gate, sig, lower_bound = args[4], args[5], args[7]
     packed = varlen.pack_inputs(q, k, v, g, beta, p, use_gate_in_kernel=gate, use_beta_sigmoid_in_kernel=sig,
                                 lower_bound=lower_bound)

@@ -159,3 +159,14 @@ def test_cu_seqlens_cpu_gives_the_same_call():
     with pytest.raises(ValueError, match="cu_seqlens_cpu"):
         chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, cu_seqlens_cpu=cu[:-1].long(),
                   A_log=x["A_log"], dt_bias=x["dt_bias"], **FLAGS)
+
+
+def test_whole_chunk_sequences_are_not_copied():
+    """Sequences of whole chunks (and empty ones) are already the padded layout: no pack / unpack
+    copy (o comes straight from the chain's op), and the result is still the oracle's."""
+    x, cu = _inputs([64, 0, 128])
+    reset_dispatch_log()
+    o, ht = _run(chunk_kda, x, cu)
+    assert "Unpack" not in type(o.grad_fn).__name__
+    wo, wht = _run(naive_kda_varlen, x, cu)
+    assert rel_err(o, wo) < 1e-10 and rel_err(ht, wht) < 1e-10
