@@ -6,15 +6,15 @@ hold the state transposed, with every token GEMM taking A from registers (`make_
 with its double-buffered o stores). dhu stays on it: in the register-A form it was 3% slower in
 the two-warpgroup build the reference shape runs (1.885 vs 1.834 ms, H200 2026-12-01). The skeleton:
 
-  * one warpgroup (128 threads) per (b, hv, 64-wide V tile); a CTA holds `nwg` of them
-    (grid (V / (64 nwg), HV, B); packed sequences: (V / (64 nwg), HV, N), each CTA walking its
-    sequence's chunks of the one padded row from the chunk table, `Cta`); each stage's
-    `variant()` picks it by grid (2 from 256 V tiles, where the grid still fills the SMs; 1
-    below). nwg = 2 (V % 128 == 0) puts two V tiles of one (b, hv) in a CTA so they share
-    every V-independent operand tile (w, kg, qg, Aqk and gk's row) in smem: half the L2->SM traffic and smem for those. Each warpgroup keeps
-    its own state, bf16 state / output buffers and TMA stores (issued by its thread 0); warp 0
-    of the CTA issues every load (a TMA copy elects its lane over the whole warp: issued from
-    one thread, the first launch hung);
+  * one warpgroup (128 threads) per (b, hv, 64-wide V tile); a CTA holds `nwg` of them (grid (V
+    / (64 nwg), HV, B); packed sequences: (V / (64 nwg), HV, N), each CTA walking its sequence's
+    chunks of the one padded row from the chunk table, `Cta`); each stage's `variant()` picks it
+    by grid (2 from 256 V tiles, where the grid still fills the SMs; 1 below). nwg = 2 (V % 128
+    == 0) puts two V tiles of one (b, hv) in a CTA so they share every V-independent operand
+    tile (w, kg, qg, Aqk and gk's row) in smem: half the L2->SM traffic and smem for those. Each
+    warpgroup keeps its own state, bf16 state / output buffers and TMA stores (issued by its
+    thread 0); warp 0 of the CTA issues every load (a TMA copy elects its lane over the whole
+    warp: issued from one thread, the first launch hung);
   * the state S (h or dh) is [K=128, 64] fp32, the accumulator of a warpgroup MMA (`mma_kv`:
     M = 128 state rows, N = 64, reduction over the 64 tokens of a chunk), so the update
     `S = exp2(gd) * S + X^T Y` is a row scale of the accumulator followed by wgmma into it;
