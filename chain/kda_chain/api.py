@@ -237,13 +237,12 @@ def _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initia
     _check_offsets(offs, q.shape[1])
     p = varlen.packing(cu_seqlens, offs)
     if p.T_pad == q.shape[1]:  # every sequence whole chunks: the row is already the padded layout
-        return _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args, chunks=p.chunks)
+        o, ht = _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args, chunks=p.chunks)
+        return o[:1], ht  # (every sequence empty: _dense answered per sequence, o [N, 0, ...])
     gate, sig, lower_bound = args[4], args[5], args[7]
     packed = varlen.pack_inputs(q, k, v, g, beta, p, use_gate_in_kernel=gate, use_beta_sigmoid_in_kernel=sig,
                                 lower_bound=lower_bound)
     o, ht = _dense(*packed, A_log, dt_bias, initial_state, *args, chunks=p.chunks)
-    if o.shape[1] == 0:
-        return o[:1], ht
     return varlen.unpack(o, p), ht
 
 

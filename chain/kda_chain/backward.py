@@ -36,7 +36,7 @@ _HALF = (torch.bfloat16, torch.float16)
 _SIDE: dict = {}  # device -> the second stream b1 runs on beside dhu (one per device, process-wide)
 
 
-def _side_stream(do: torch.Tensor, v: torch.Tensor):
+def _side_stream(do: torch.Tensor, v: torch.Tensor, chunks=None):
     """A second stream for b1 while the fused dhu runs on the current one, where the scans' grids
     leave most SMs idle (at most one 64-wide V tile per SM: B * HV * V / 64 <= SM count; both walk
     the chunks serially, so each alone is latency-bound there), else None. Not while a CUDA graph
@@ -45,6 +45,8 @@ def _side_stream(do: torch.Tensor, v: torch.Tensor):
     if do.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     B, _, HV, V = v.shape
+    if chunks is not None:  # a packed call: the scans' grid has one row per sequence
+        B = chunks.shape[0] - 1
     if v_tiles(B, HV, V) > sm_count_of(do):
         return None
     st = _SIDE.get(do.device)
@@ -97,7 +99,7 @@ def _backward(do, dht, s: Saved, f: Flags):
     impl, reason = S.dhu.choose(*dhu_in, None, f.scale, s.Aqk, chunks=s.chunks)
     fused = impl.name == "cute"
     # the fused dhu needs nothing of b1's: on small grids the two serial scans overlap (`_side_stream`)
-    side = _side_stream(do, v) if fused and s.kept is None else None
+    side = _side_stream(do, v, s.chunks) if fused and s.kept is None else None
     dAqk = None
     try:
         if s.kept is None:

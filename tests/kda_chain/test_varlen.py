@@ -1,9 +1,11 @@
-"""Packed sequences (cu_seqlens) through the chain on CPU: the per-sequence path against the
-token recurrence run per sequence (`kda_cute.reference.naive_kda_varlen`, the oracle), float64.
+"""Packed sequences (cu_seqlens) through the chain on CPU: the padded row (kda_chain.varlen, the
+reference stages) against the token recurrence run per sequence
+(`kda_cute.reference.naive_kda_varlen`, the oracle), float64.
 
-On a GPU a varlen call goes to fla whole today (its reason in the witness); these tests pin the
-contract the CuTe kernels' chunk tables must meet: chunks restart at every sequence start, no
-state crosses a boundary, initial / final states per sequence, any length (1, 63, 64, 65, 0)."""
+On a GPU the same path runs the CuTe kernels (tests/gpu/test_varlen_gpu.py); these tests pin the
+contract: chunks restart at every sequence start, no state crosses a boundary, initial / final
+states per sequence, any length (1, 63, 64, 65, 0), pad rows that are exact no-ops in every gate
+and beta form."""
 
 from __future__ import annotations
 
@@ -170,3 +172,13 @@ def test_whole_chunk_sequences_are_not_copied():
     assert "Unpack" not in type(o.grad_fn).__name__
     wo, wht = _run(naive_kda_varlen, x, cu)
     assert rel_err(o, wo) < 1e-10 and rel_err(ht, wht) < 1e-10
+
+
+def test_all_sequences_empty():
+    """Every sequence empty (total T = 0): o [1, 0, HV, V], ht = h0 per sequence, dh0 = dht."""
+    x, cu = _inputs([0, 0, 0])
+    o, ht = _run(chunk_kda, x, cu)
+    assert o.shape == (1, 0, 4, 8) and torch.equal(ht, x["h0"])
+    dht = torch.randn_like(ht)
+    (dh0,) = torch.autograd.grad((ht * dht).sum(), [x["h0"]])
+    assert torch.equal(dh0, dht)
