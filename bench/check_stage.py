@@ -3,6 +3,7 @@ arguments of a chain call:
 
     bwd_wy_dqkg   kda_cute.wy_dqkg (kernel kda_cute_wy_dqkg) vs chunk_kda_bwd_wy_dqkg_fused
     fwd_prep      kda_cute.prep (kernel kda_cute_prep) vs kda_gate_chunk_cumsum + chunk_kda_fwd_intra
+    bwd_prep      kda_cute.bwd_prep (kernel kda_cute_bwd_prep) vs kda_gate_chunk_cumsum + recompute_w_u
 
 Per shape: one fwd+bwd of kda_chain.chunk_kda (gate + l2norm in the op; A_log up to log 16, so
 gates reach ~-10 per step) runs under `kda_chain.stages.capture()`; the stage's arguments are
@@ -52,6 +53,7 @@ CHECKS = {
                               ("dq", "dk", "dv2", "db", "dg", "dAkk", "dAqk"), (("want_dAqk", True),),
                               _fla_dAqk),
     "fwd_prep": StageCheck("prep", "fwd_prep", "_fla_fwd_prep", ("gk", "w", "u", "qg", "kg", "Aqk", "Akk")),
+    "bwd_prep": StageCheck("bwd_prep", "bwd_prep", "_fla_bwd_prep", ("gk", "w", "u", "qg", "kg")),
 }
 
 

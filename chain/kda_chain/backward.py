@@ -1,8 +1,9 @@
 """The backward composition (fla 0.6.0's recompute path). Stages, in order:
 
-    gate_chunk_cumsum          recompute gk, only when the gate runs in kernel (not saved)
-    recompute_w_u              w, u, qg, kg from Akk
-    b1                         kda_cute_b1: re-scan h for every chunk and v_new (these three
+    bwd_prep                   kda_cute_bwd_prep: gk from the raw gate and w, u, qg, kg from the
+                               saved Akk (fla: kda_gate_chunk_cumsum / chunk_local_cumsum +
+                               recompute_w_u)
+    b1                         kda_cute_b1: re-scan h for every chunk and v_new (these two
                                skipped with disable_recompute: the forward kept them); on small
                                grids on a second stream, beside dhu (which does not read its outputs)
     dhu                        kda_cute_dhu: reverse scan -> dh per chunk, dh0, dv2, with bwd_dAv's
@@ -88,10 +89,9 @@ def _backward(do, dht, s: Saved, f: Flags):
     gk = s.gk
     if s.kept is not None:  # disable_recompute
         w, u, qg, kg, h, v_new = (s.kept.w, s.kept.u, s.kept.qg, s.kept.kg, s.kept.h, s.kept.v_new)
-    else:
-        if gk is None:
-            gk = S.gate_chunk_cumsum(s.g, s.A_log, s.dt_bias, f.lower_bound, f.chunk_size, True)
-        w, u, qg, kg = S.recompute_w_u(q, k, v, beta, s.Akk, gk)
+    else:  # gk and the WY factors again from the raw gate and the saved Akk (one kernel)
+        gk, w, u, qg, kg = S.bwd_prep(q, k, v, s.g, beta, s.A_log, s.dt_bias, s.Akk, f.lower_bound,
+                                      f.use_gate_in_kernel, f.chunk_size)
     # bwd_dAv's two products live in the CuTe kernels that hold their operands: dv = tril(Aqk)^T do
     # in dhu's reverse scan, dAqk = scale tril(do v_new^T) in wy_dqkg's V walk. Where either stage
     # is not the CuTe kernel, bwd_dAv runs (with that stage's reason in the record).

@@ -13,11 +13,11 @@
     b1                         only with disable_recompute: kda_cute_b1's h (bf16 per chunk) and
                                v_new, kept for the backward (fwd does not store them)
 
-What is saved for backward is exactly what fla 0.6.0 saves (no more activations): q, k (after
-l2norm) with their rstd, v, gk (only when the gate is not recomputed in kernel), the raw g,
-beta (raw and activated), A_log, dt_bias, Aqk, Akk, initial_state (not qg: fla does not either).
-With disable_recompute, as fla: also gk always and w, u, qg, kg, h, v_new (`Kept`), so the
-backward skips the gate cumsum, recompute_w_u and b1.
+What is saved for backward is what fla 0.6.0 saves less gk: q, k (after l2norm) with their rstd,
+v, the raw g, beta (raw and activated), A_log, dt_bias, Aqk, Akk, initial_state (fla also keeps
+gk when the gate is not in the kernel; the backward's bwd_prep recomputes it from g either way).
+With disable_recompute, as fla: also gk and w, u, qg, kg, h, v_new (`Kept`), so the backward
+skips bwd_prep and b1.
 """
 
 from __future__ import annotations
@@ -103,6 +103,6 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks):
     if f.disable_recompute:  # the states for the backward: fwd keeps none (b1: 1.4 ms at the ref shape)
         h, v_new, _ = S.b1(kg, w, u, gk, initial_state, False, chunks=chunks)
         kept = Kept(w, u, qg, kg, h, v_new)
-    saved = Saved(q, q_rstd, k, k_rstd, v, None if f.use_gate_in_kernel and not kept else gk, g, beta_raw,
+    saved = Saved(q, q_rstd, k, k_rstd, v, gk if kept else None, g, beta_raw,
                   beta, A_log, dt_bias, Aqk, Akk, initial_state, kept, chunks)
     return o.to(q.dtype), ht, saved

@@ -390,6 +390,11 @@ def _fla_recompute_w_u(q, k, v, beta, Akk, gk):
     return f(q=q, k=k, v=v, beta=beta, A=Akk, gk=gk)
 
 
+def _fla_bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size):
+    gk = _fla_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
+    return (gk, *_fla_recompute_w_u(q, k, v, beta, Akk, gk))
+
+
 def _fla_bwd_dAv(q, k, v_new, do, Aqk, scale):
     # fla's dAv kernel takes q and k but reads only their shapes (its autotune key includes
     # them, so pass the real ones to hit the tuned configs).
@@ -468,7 +473,8 @@ def _two(name: str, fla_fn: Callable) -> Stage:
 
 
 # fla's function for every CuTe stage of kda_cute.registry (the per-stage fallback)
-_FLA_OF_CUTE = {"fwd_prep": _fla_fwd_prep, "fwd": _fla_fwd_scan, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu,
+_FLA_OF_CUTE = {"fwd_prep": _fla_fwd_prep, "fwd": _fla_fwd_scan, "bwd_prep": _fla_bwd_prep, "b1": _fla_fwd_h,
+                "dhu": _fla_bwd_dhu,
                 "bwd_wy_dqkg": _fla_bwd_wy_dqkg,
                 "intra": _fla_bwd_intra}
 # The stages with a CuTe kernel, one per registry record: kda_cute.<name>, then fla, then the reference.
@@ -480,10 +486,9 @@ CUTE_STAGES = {
 # what the witness expects a chain call to launch (its CLI, `expect`, the pytest marker)
 kda_witness.register_kernels(registry.kernel_stages())
 
-gate_chunk_cumsum = _two("gate_chunk_cumsum", _fla_gate_chunk_cumsum)
 fwd_prep = CUTE_STAGES["fwd_prep"]
 fwd = CUTE_STAGES["fwd"]
-recompute_w_u = _two("recompute_w_u", _fla_recompute_w_u)
+bwd_prep = CUTE_STAGES["bwd_prep"]
 b1 = CUTE_STAGES["b1"]
 bwd_dAv = Stage("bwd_dAv", [Impl("fla", fla_gate, _fla_bwd_dAv), Impl("reference", _always, _ref_bwd_dAv)])
 dhu = CUTE_STAGES["dhu"]
@@ -500,6 +505,6 @@ gate_bwd = _two("gate_bwd", _fla_gate_bwd)
 
 STAGES = {
     s.name: s
-    for s in (gate_chunk_cumsum, fwd_prep, fwd, recompute_w_u, b1, bwd_dAv, dhu, bwd_wy_dqkg, intra,
+    for s in (fwd_prep, fwd, bwd_prep, b1, bwd_dAv, dhu, bwd_wy_dqkg, intra,
               dg_cumsum, gva_sum, l2norm_fwd, l2norm_bwd, beta_sigmoid_fwd, beta_sigmoid_bwd, gate_bwd)
 }

@@ -76,7 +76,7 @@ def test_chain_within_2x_of_fla_error(shape):
     ours = run(chunk_kda, x, cot, **keep)
     choices = {c.stage: (c.impl, c.reason) for c in dispatch_log()}
     if keep:
-        assert "recompute_w_u" not in choices and "chunk_kda" not in choices, choices
+        assert "bwd_prep" not in choices and "chunk_kda" not in choices, choices
     fla = run(fla_kda, x, cot, **keep)
     ref = run(chunk_kda_reference, x, cot, dtype=torch.float64)
     rows = {}

@@ -201,7 +201,7 @@ def test_dAv_folds_into_cute_dhu_and_wy_dqkg(fused, monkeypatch):
 @pytest.mark.parametrize("gate", [True, False])
 def test_disable_recompute_keeps_the_forward_and_skips_the_recompute(gate):
     """disable_recompute (fla's flag): the forward keeps w, u, qg, kg, h, v_new (b1 runs there,
-    once) and gk; the backward runs no gate cumsum, recompute_w_u or b1; every output and gradient
+    once) and gk; the backward runs no bwd_prep (gate cumsum + recompute_w_u) or b1; every output and gradient
     equals the recompute path's (float64 reference stages: to rounding)."""
     x = _inputs(T=200, H=2, HV=4)  # ragged T, GVA
     kw = dict(use_gate_in_kernel=gate, A_log=x["A_log"], initial_state=x["initial_state"],
@@ -219,8 +219,8 @@ def test_disable_recompute_keeps_the_forward_and_skips_the_recompute(gate):
 
     want, stages0 = run()
     got, stages1 = run(disable_recompute=True)
-    assert "recompute_w_u" in stages0 and "recompute_w_u" not in stages1
-    assert stages1.count("b1") == 1 and stages1.count("gate_chunk_cumsum") == 0
+    assert "bwd_prep" in stages0 and "bwd_prep" not in stages1
+    assert stages1.count("b1") == 1
     assert stages1.index("b1") < stages1.index("dhu")  # in the forward, before the backward's scans
     for a, b in zip(got, want, strict=True):
         assert rel_err(a, b) < 1e-12
@@ -228,7 +228,7 @@ def test_disable_recompute_keeps_the_forward_and_skips_the_recompute(gate):
 
 def test_backward_frees_the_scans_outputs_before_intra(monkeypatch):
     """Memory: by the time intra runs, the backward holds none of b1's h, v_new, dhu's dh, dv2 or
-    recompute_w_u's w, kg, qg (at the reference shape ~8 GB; the argument tuples once kept them)."""
+    bwd_prep's w, kg, qg (at the reference shape ~8 GB; the argument tuples once kept them)."""
     import weakref
 
     from kda_cute import reference as ref
@@ -250,7 +250,7 @@ def test_backward_frees_the_scans_outputs_before_intra(monkeypatch):
         assert not alive, f"still held when intra runs: {alive}"
         return ref.bwd_intra(*a, **k)
 
-    fakes = {"recompute_w_u": (ref.recompute_w_u, ("w", "u", "qg", "kg")), "b1": (ref.fwd_h, ("h", "v_new")),
+    fakes = {"bwd_prep": (ref.bwd_prep, ("", "w", "u", "qg", "kg")), "b1": (ref.fwd_h, ("h", "v_new")),
              "dhu": (ref.bwd_dhu, ("dh", "", "dv2"))}  # dh0 is a result: kept
     for st, (fn, names) in fakes.items():
         monkeypatch.setattr(S.STAGES[st], "impls", [recording(st, fn, names), *S.STAGES[st].impls[1:]])

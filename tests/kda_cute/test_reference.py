@@ -244,6 +244,27 @@ def test_recompute_w_u_matches_fwd_intra():
         assert rel_err(a, b) < 1e-14
 
 
+@pytest.mark.parametrize("gate_in", [False, True])
+def test_bwd_prep_recomputes_fwd_prep(gate_in):
+    """The backward's bwd_prep, from fwd_prep's own Akk and the raw gate, gives back fwd_prep's gk,
+    w, u, qg, kg (float64: to rounding), with the gate in the op and without."""
+    from kda_cute.reference import bwd_prep, fwd_prep
+
+    gen = torch.Generator().manual_seed(7)
+    B, T, H, HV, K, V = 1, 100, 1, 2, 16, 8
+    q, k = (torch.randn(B, T, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
+    g = torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64)
+    if not gate_in:
+        g = -g.abs()
+    beta = torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
+    A_log, dt_bias = torch.tensor([0.1, 1.5], dtype=torch.float64), torch.randn(HV * K, dtype=torch.float64)
+    a = (q, k, v, g, beta, A_log, dt_bias)
+    gk, w, u, qg, kg, _, Akk = fwd_prep(*a, None, gate_in, 0.25, 64, want_qg=True)
+    for x, y in zip(bwd_prep(*a, Akk, None, gate_in, 64), (gk, w, u, qg, kg), strict=True):
+        assert rel_err(x, y) < 1e-13
+
+
 def test_dAv_and_dhu_are_autograd_of_the_forward_scan():
     """bwd_dAv's dAqk is scale x the gradient of tril(Aqk); bwd_dhu's dv2 is the gradient of u and
     dh0 that of h0, under the loss <o, do> + <ht, dht> with o, ht from fwd_h + fwd_o."""

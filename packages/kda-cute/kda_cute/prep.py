@@ -97,7 +97,8 @@ class KdaPrep:
     """See the module docstring. io: q / k / v dtype; beta_dtype: beta's; gate: one of GATES."""
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_qg: bool,
-                 gate: str, has_bias: bool, lower_bound: float):
+                 gate: str, has_bias: bool, lower_bound: float, recompute: bool = False):
+        self.recompute = recompute  # kda_cute_bwd_prep: Akk read, not solved (module kda_cute.bwd_prep)
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -176,16 +177,19 @@ def _build_kernel_class():
             mU: cute.Tensor,  # [B, T, HV, V] io
             mQg: cute.Tensor,  # [B, T, HV, K] io (kg's storage when not want_qg: never written)
             mKg: cute.Tensor,  # [B, T, HV, K] io
-            mAqk: cute.Tensor,  # [B, T, HV, BT] io
-            mAkk: cute.Tensor,  # [B, T, HV, BT] io
+            mAqk: cute.Tensor,  # [B, T, HV, BT] io (recompute: a stand-in, never written)
+            mAkk: cute.Tensor,  # [B, T, HV, BT] io (recompute: the input)
             mGk: cute.Tensor,  # [B, T, HV, K] f32
             stream,
         ):
             B = cute.size(mG, mode=[0])
             T_ = cute.size(mG, mode=[1])
             HV = cute.size(mG, mode=[2])
-            kernel = self.kda_cute_prep(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk,
-                                        mGk)
+            args = (mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk)
+            if cutlass.const_expr(self.recompute):
+                kernel = self.kda_cute_bwd_prep(*args)
+            else:
+                kernel = self.kda_cute_prep(*args)
             kernel.launch(grid=(T_ // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=2,
                           preferred_smem_carveout=100, stream=stream)
 
@@ -378,23 +382,23 @@ def _build_kernel_class():
             sX[i0 + em, j0 + en] = -acc
 
         @cute.kernel
-        def kda_cute_prep(
-            self,
-            mQ: cute.Tensor,
-            mK: cute.Tensor,
-            mV: cute.Tensor,
-            mG: cute.Tensor,
-            mBeta: cute.Tensor,
-            mAlog: cute.Tensor,
-            mBias: cute.Tensor,
-            mW: cute.Tensor,
-            mU: cute.Tensor,
-            mQg: cute.Tensor,
-            mKg: cute.Tensor,
-            mAqk: cute.Tensor,
-            mAkk: cute.Tensor,
-            mGk: cute.Tensor,
-        ):
+        def kda_cute_prep(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+                          mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor, mW: cute.Tensor,
+                          mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
+                          mAkk: cute.Tensor, mGk: cute.Tensor):
+            self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk)
+
+        @cute.kernel
+        def kda_cute_bwd_prep(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+                              mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor, mW: cute.Tensor,
+                              mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
+                              mAkk: cute.Tensor, mGk: cute.Tensor):
+            """The backward's recompute (kda_cute.bwd_prep): phases 0, 3 (without the solve's
+            outputs) and 4 with Akk read into the A operand's tile."""
+            self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk)
+
+        @cute.jit
+        def _body(self, mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk):
             K = self.K
             NV = self.NV
             io = self.io_dtype
@@ -459,6 +463,8 @@ def _build_kernel_class():
             tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
             cute.copy(cp_io, tio.partition_S(gQ), tio.partition_D(sQ))
             cute.copy(cp_io, tio.partition_S(gK), tio.partition_D(sK))
+            if cutlass.const_expr(self.recompute):  # Akk is given: straight into the A operand's tile
+                cute.copy(cp_io, tio.partition_S(gAkk), tio.partition_D(sAb))
             cute.arch.cp_async_commit_group()
             if tidx < BT:
                 sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
@@ -500,60 +506,63 @@ def _build_kernel_class():
                     if cutlass.const_expr(self.want_qg):
                         cute.copy(st8, rqg, tQg[None, m, n])
 
-            # ---------------- phase 1: Aqk (staged in sX's storage) and L. Warps 0-5: a block
-            # below the diagonal each, then (warps 0-4) the 160 pairs of the 4 x 4 diagonal blocks;
-            # warps 6-7: the anchored quadrants of two diagonal blocks each.
-            if wid < 6:
-                self._tf32_block(sQ, sK, sG, sBeta, sAqk, sL, wid, lane, False)
-                if tidx < 160:
-                    self._diag_exact(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx)
+            if cutlass.const_expr(not self.recompute):  # phases 1-3's solve: fwd only
+                # ---------------- phase 1: Aqk (staged in sX's storage) and L. Warps 0-5: a block
+                # below the diagonal each, then (warps 0-4) the 160 pairs of the 4 x 4 diagonal blocks;
+                # warps 6-7: the anchored quadrants of two diagonal blocks each.
+                if wid < 6:
+                    self._tf32_block(sQ, sK, sG, sBeta, sAqk, sL, wid, lane, False)
+                    if tidx < 160:
+                        self._diag_exact(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx)
+                else:
+                    for jd in cutlass.range_constexpr(2):
+                        self._tf32_block(sQ, sK, sG, sBeta, sAqk, sL, 2 * (wid - 6) + jd, lane, True)
+                cute.arch.sync_threads()
+                cA64 = t8.partition_D(cute.make_identity_tensor((BT, BT)))
+                tAqk = t8.partition_D(gAqk)
+                for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
+                    r, s0 = cA64[0, m, 0]
+                    rqk = cute.make_fragment_like(tAqk[None, m, 0])
+                    aqv = sAqk8[r, s0 // 8, None].load()
+                    for j8 in cutlass.range_constexpr(8):
+                        ai = f32(aqv[j8])
+                        aqs = f32(0.0)
+                        if s0 + j8 <= r:
+                            aqs = ai
+                        rqk[j8] = io(aqs)
+                    cute.copy(st8, rqk, tAqk[None, m, 0])
+                cute.arch.sync_threads()  # the staging is read: X may overwrite it
+
+                # ---------------- phase 2: X = (I + L)^-1
+                if tidx < BT:
+                    self._invert_diagonal(sL, sX, tidx)
+                cute.arch.sync_threads()
+                for lev in cutlass.range_constexpr(1, BT // BC):
+                    for bk in cutlass.range_constexpr(BT // BC - lev):  # blocks (lev + bk, bk)
+                        self._band_sum(sL, sX, sT, lev, bk, tidx)
+                    cute.arch.sync_threads()
+                    for bk in cutlass.range_constexpr(BT // BC - lev):
+                        self._band_solve(sX, sT, lev, bk, tidx)
+                    cute.arch.sync_threads()
+
+                # ---------------- phase 3: Akk out, bf16(X) over L, bf16(beta k E) over q
+                tAkk = t8.partition_D(gAkk)
+                tAb = t8.partition_D(sAb)
+                for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
+                    r, s0 = cA64[0, m, 0]
+                    rkk = cute.make_fragment_like(tAkk[None, m, 0])
+                    for hlf in cutlass.range_constexpr(2):
+                        xv = sX4[r, s0 // 4 + hlf, None].load()
+                        for i in cutlass.range_constexpr(4):
+                            xi = f32(xv[i])
+                            xs = f32(0.0)
+                            if s0 + 4 * hlf + i <= r:
+                                xs = xi
+                            rkk[4 * hlf + i] = io(xs)
+                    cute.copy(st8, rkk, tAkk[None, m, 0])
+                    cute.copy(st8, rkk, tAb[None, m, 0])
             else:
-                for jd in cutlass.range_constexpr(2):
-                    self._tf32_block(sQ, sK, sG, sBeta, sAqk, sL, 2 * (wid - 6) + jd, lane, True)
-            cute.arch.sync_threads()
-            cA64 = t8.partition_D(cute.make_identity_tensor((BT, BT)))
-            tAqk = t8.partition_D(gAqk)
-            for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
-                r, s0 = cA64[0, m, 0]
-                rqk = cute.make_fragment_like(tAqk[None, m, 0])
-                aqv = sAqk8[r, s0 // 8, None].load()
-                for j8 in cutlass.range_constexpr(8):
-                    ai = f32(aqv[j8])
-                    aqs = f32(0.0)
-                    if s0 + j8 <= r:
-                        aqs = ai
-                    rqk[j8] = io(aqs)
-                cute.copy(st8, rqk, tAqk[None, m, 0])
-            cute.arch.sync_threads()  # the staging is read: X may overwrite it
-
-            # ---------------- phase 2: X = (I + L)^-1
-            if tidx < BT:
-                self._invert_diagonal(sL, sX, tidx)
-            cute.arch.sync_threads()
-            for lev in cutlass.range_constexpr(1, BT // BC):
-                for bk in cutlass.range_constexpr(BT // BC - lev):  # blocks (lev + bk, bk)
-                    self._band_sum(sL, sX, sT, lev, bk, tidx)
-                cute.arch.sync_threads()
-                for bk in cutlass.range_constexpr(BT // BC - lev):
-                    self._band_solve(sX, sT, lev, bk, tidx)
-                cute.arch.sync_threads()
-
-            # ---------------- phase 3: Akk out, bf16(X) over L, bf16(beta k E) over q
-            tAkk = t8.partition_D(gAkk)
-            tAb = t8.partition_D(sAb)
-            for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
-                r, s0 = cA64[0, m, 0]
-                rkk = cute.make_fragment_like(tAkk[None, m, 0])
-                for hlf in cutlass.range_constexpr(2):
-                    xv = sX4[r, s0 // 4 + hlf, None].load()
-                    for i in cutlass.range_constexpr(4):
-                        xi = f32(xv[i])
-                        xs = f32(0.0)
-                        if s0 + 4 * hlf + i <= r:
-                            xs = xi
-                        rkk[4 * hlf + i] = io(xs)
-                cute.copy(st8, rkk, tAkk[None, m, 0])
-                cute.copy(st8, rkk, tAb[None, m, 0])
+                cute.arch.sync_threads()  # every thread's qg is out: k E may overwrite q
             tKE = t8.partition_D(sKE)
             for m in cutlass.range_constexpr(cute.size(cK, mode=[1])):
                 for n in cutlass.range_constexpr(cute.size(cK, mode=[2])):
@@ -691,6 +700,7 @@ class PrepConfig:
     has_bias: bool
     lower_bound: float
     arch: str
+    recompute: bool = False  # kda_cute_bwd_prep (kda_cute.bwd_prep)
 
 
 def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg) -> PrepConfig:
@@ -739,7 +749,7 @@ def _build(views, stream, cfg: PrepConfig, options: str = ""):
 
     kern = _kernel_class()(
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
-        cfg.want_qg, cfg.gate, cfg.has_bias, cfg.lower_bound,
+        cfg.want_qg, cfg.gate, cfg.has_bias, cfg.lower_bound, cfg.recompute,
     )
     return cute.compile(kern, *views, stream, options=options)
 

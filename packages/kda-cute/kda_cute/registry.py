@@ -128,9 +128,18 @@ def _probe_fwd_prep(d: Dims) -> tuple:
             d.t(d.HV, dtype=_F32), None, None, True, d.K**-0.5, 64, True)
 
 
+def _probe_bwd_prep(d: Dims) -> tuple:
+    # bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size):
+    # the gate in the op, as the reference shape runs it
+    qk = d.t(d.B, d.T, d.H, d.K)
+    return (qk, qk, d.t(d.B, d.T, d.HV, d.V), d.t(d.B, d.T, d.HV, d.K), d.t(d.B, d.T, d.HV),
+            d.t(d.HV, dtype=_F32), None, d.t(d.B, d.T, d.HV, 64), None, True, 64)
+
+
 STAGES: tuple[CuteStage, ...] = (
     CuteStage("fwd_prep", "fwd_prep", ("kda_cute_prep",), _probe_fwd_prep, module="prep"),
     CuteStage("fwd", "fwd_scan", ("kda_cute_fwd",), _probe_fwd),
+    CuteStage("bwd_prep", "bwd_prep", ("kda_cute_bwd_prep",), _probe_bwd_prep),
     CuteStage("b1", "fwd_h", ("kda_cute_b1",), _probe_b1),
     CuteStage("dhu", "bwd_dhu", ("kda_cute_dhu",), _probe_dhu),
     CuteStage("bwd_wy_dqkg", "bwd_wy_dqkg", ("kda_cute_wy_dqkg",), _probe_wy_dqkg, flags=("want_dAqk",),

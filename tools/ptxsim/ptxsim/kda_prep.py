@@ -58,3 +58,24 @@ def prep_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dt
     A_log = torch.log(torch.linspace(1.0, 16.0, HV)) if HV > 1 else torch.tensor([0.7])
     dt_bias = 0.5 * torch.randn(HV * K, generator=gen)
     return [q, k, v, g, beta, A_log, dt_bias, gmin if gate == "lower_bound" else None, True]
+
+
+def emulate_bwd_prep(text, args, Akk, ctas=None):
+    """Run kda_cute_bwd_prep's PTX (kda_cute.bwd_prep) on CPU for `args` (`prep_inputs`' list) and
+    the saved `Akk`: (gk, w, u, qg, kg), NaN-poisoned first; `ctas` as for `emulate_prep`."""
+    from kda_cute import bwd_prep
+
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
+    B, T, HV, _ = v.shape
+    outs = bwd_prep._outputs(q, v, "cpu")
+    for t in outs:
+        t.fill_(float("nan"))
+    if ctas is None:
+        ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
+    cfg = bwd_prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in)
+    tensors = list(bwd_prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs))
+    tensors[11] = torch.full_like(Akk, float("nan"))  # the Aqk stand-in: must stay untouched
+    got = run_grid(wy_program(text), tensors, ctas, WyCTA, bwd_prep.THREADS)
+    assert torch.isnan(got[11]).all(), "kda_cute_bwd_prep wrote its Aqk stand-in"
+    w, u, qg, kg = got[7:11]
+    return got[13], w, u, qg, kg

@@ -344,6 +344,26 @@ def recompute_w_u(
             _from_chunks(qg, T, k.dtype), _from_chunks(kg, T, k.dtype))
 
 
+def bwd_prep(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    Akk: torch.Tensor,
+    lower_bound: float | None,
+    use_gate_in_kernel: bool,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, ...]:
+    """The backward's recompute of the forward's chunk factors from the saved Akk: gate_chunk_cumsum
+    then recompute_w_u (kda_cute_bwd_prep does both in one kernel). g is the raw gate, as for
+    fwd_prep. Returns gk, w, u, qg, kg."""
+    gk = gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
+    return (gk, *recompute_w_u(q, k, v, beta, Akk, gk))
+
+
 def _scan(kg, w, u, gk, initial_state, BT, dt, q=None, Aqk=None, scale=None, store_h=True):
     """The chunk state scan shared by fwd_h and fwd_scan, on chunked tensors.
 

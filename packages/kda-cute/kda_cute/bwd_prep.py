@@ -1,0 +1,108 @@
+"""kda_cute_bwd_prep: the backward's recompute of the forward's chunk factors on sm_90 (fla 0.6.0's
+`kda_gate_chunk_cumsum` + `recompute_w_u_fwd`; the chain's stage `bwd_prep`).
+
+Per chunk of BT = 64 tokens and value head hv, from the Akk the forward saved (kda_cute_prep's,
+bf16 / fp16, zero above the diagonal):
+
+    gk = cumsum(step gate) / ln 2 down the chunk      (the gate in the kernel, or g itself)
+    w = Akk bf16(beta k exp2(g))    u = Akk bf16(beta v)    qg = q exp2(g)    kg = k exp2(gl - g)
+
+bitwise what the forward's kda_cute_prep computed (same code, same roundings), so the backward
+sees the forward's factors exactly, as fla's recompute does.
+
+The kernel is kda_cute_prep's class compiled with `recompute=True` (kda_cute.prep's docstring has
+the CTA decomposition, layouts and phases): phase 0 (q, k and Akk by cp.async, under them the gate
+and its cumsum; gk, kg, qg out), then phases 3-4 without the solve (bf16(beta k E) over q, w and u
+on bf16 mma.sync with the Akk tile as the A operand). No Aqk, no L, no X: about a third of the
+forward kernel's instructions. This module is the stage's host side; the device code is shared
+with kda_cute_prep by construction (one class, two entry points), so the two cannot drift.
+
+Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, gate in the op):
+
+    read    q, k 1.074 GB, g 0.537, v 1.074, beta 0.004, Akk 0.268             2.96 GB
+    write   gk 1.074 GB, w, qg, kg 1.611, u 1.074                              3.76 GB
+    total   6.72 GB: 1.68 ms at 4.0 TB/s (fla's gate cumsum + recompute_w_u: 0.42 + 1.80 ms)
+
+Constraints: kda_cute_prep's (K = 128, V % 64 == 0, T % 64 == 0, HV % H == 0, dtypes, contiguous
+and 16-byte aligned), and Akk [B, T, HV, 64] in q's dtype.
+
+Validated on CPU by the PTX interpreter (tests/kda_cute/test_bwd_prep_compile.py) against float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import _warp
+from . import prep as _prep
+from ._common.cache import CallCache, alloc
+
+BT = _prep.BT
+THREADS = _prep.THREADS
+_cache = CallCache("kda_cute_bwd_prep")
+
+
+def _hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size) -> str | None:
+    """kda_cute_prep's reasons, Akk's first (its shape, dtype and layout)."""
+    want = (*v.shape[:3], BT)
+    if tuple(Akk.shape) != want:
+        return f"Akk shape {tuple(Akk.shape)} != {want}"
+    if Akk.dtype != q.dtype:
+        return f"Akk dtype {Akk.dtype} != q's {q.dtype}"
+    return (_prep._hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size)
+            or _warp.layout_reason(("q", "Akk"), (q, Akk)))
+
+
+def is_supported(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel,
+                 chunk_size=BT) -> str | None:
+    """None when `bwd_prep` runs the CuTe kernel on these arguments, else the reason it would not."""
+    return _hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size)
+
+
+def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel) -> _prep.PrepConfig:
+    cfg = _prep._config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, 1.0, True)
+    return dataclasses.replace(cfg, recompute=True)  # the scale is Aqk's only: not compiled in
+
+
+def _outputs(q, v, device):
+    """gk (fp32), then w, u, qg, kg in q's dtype: fresh."""
+    B, T, HV, V = v.shape
+    K = q.shape[3]
+    return (alloc((B, T, HV, K), torch.float32, device), alloc((B, T, HV, K), q.dtype, device),
+            alloc((B, T, HV, V), q.dtype, device), alloc((B, T, HV, K), q.dtype, device),
+            alloc((B, T, HV, K), q.dtype, device))
+
+
+def _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs):
+    """kda_cute_prep's fourteen tensors: Akk in its Akk slot (read) and in the Aqk slot (a
+    stand-in of the right shape, never written)."""
+    gk, w, u, qg, kg = outs
+    return _prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, (gk, w, u, qg, kg, Akk, Akk))
+
+
+def compile_for(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, keep_ptx=False):
+    """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
+    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel)
+    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, _outputs(q, v, q.device))
+    return _warp.compile_only(lambda views, stream, opts: _prep._build(views, stream, cfg, opts), args,
+                              keep_ptx)
+
+
+def bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT):
+    """fla's gate cumsum + recompute_w_u (chunk 64) in one kernel -> (gk, w, u, qg, kg), fresh
+    outputs. Raises ValueError on a call the kernel cannot compute."""
+    reason = _hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size)
+    if reason is not None:
+        raise ValueError(f"kda_cute.bwd_prep.bwd_prep: unsupported call: {reason}")
+    return launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size)
+
+
+def launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT):
+    """`bwd_prep` without its checks: for a caller whose `is_supported` just said None."""
+    outs = _outputs(q, v, q.device)
+    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel)
+    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs)
+    _warp.launch(_cache, cfg, args, lambda views, stream, opts: _prep._build(views, stream, cfg, opts))
+    return outs
