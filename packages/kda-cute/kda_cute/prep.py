@@ -438,12 +438,15 @@ def _build_kernel_class():
             sK = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(QS, 1)), 16)
             sG = smem.allocate_tensor(f32, cute.make_layout((BT, K), stride=(GS, 1)), 1024)
             sL = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 1024)
-            sX = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 16)
+            sX = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 1024)
             sT = smem.allocate_tensor(f32, cute.make_layout((3, BC, BC), stride=(BC * BC, BC, 1)), 16)
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
             sTot = smem.allocate_tensor(f32, cute.make_layout(K), 16)  # the gate's half-chunk sums
             sKE = cute.make_tensor(sQ.iterator, lk)  # bf16(beta k exp2(g)): w's B operand
-            sV = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=io), l64s)
+            # the V ring: over g (dead after phase 3) in the forward; over X (never used) in the
+            # recompute, so its first tiles load under phase 0
+            ring = sX.iterator if cutlass.const_expr(self.recompute) else sG.iterator
+            sV = cute.make_tensor(cute.recast_ptr(ring, dtype=io), l64s)
             sAb = cute.make_tensor(cute.recast_ptr(sL.iterator, dtype=io), l64)  # bf16(X): A operand
             sAqk = cute.make_tensor(cute.recast_ptr(sX.iterator, dtype=io),
                                     cute.make_layout((BT, BT), stride=(AS, 1)))
@@ -466,10 +469,16 @@ def _build_kernel_class():
             if cutlass.const_expr(self.recompute):  # Akk is given: straight into the A operand's tile
                 cute.copy(cp_io, tio.partition_S(gAkk), tio.partition_D(sAb))
             cute.arch.cp_async_commit_group()
+            groups = []  # the V ring's cp.async groups in issue order (counted at trace time)
+            if cutlass.const_expr(self.recompute):
+                for iv in cutlass.range_constexpr(min(STAGES, NV)):
+                    cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
+                    cute.arch.cp_async_commit_group()
+                    groups.append(iv)
             if tidx < BT:
                 sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
             self._gate_half(mG, mAlog, mBias, sG, sTot, b, hv, row0, tidx)
-            cute.arch.cp_async_wait_group(0)
+            cute.arch.cp_async_wait_group(len(groups))  # q, k (and Akk); not the V tiles
             cute.arch.sync_threads()
             self._gate_join(sG, sTot, mGk, b, hv, row0, tidx)
             cute.arch.sync_threads()
@@ -577,11 +586,11 @@ def _build_kernel_class():
                             rke[4 * hlf + i] = io(kv[4 * hlf + i] * br * _exp2(gv[i]))
                     cute.copy(st8, rke, tKE[None, m, n])
             cute.arch.sync_threads()  # g is dead: its storage takes the V ring
-            groups = []
-            for iv in cutlass.range_constexpr(min(STAGES, NV)):
-                cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
-                cute.arch.cp_async_commit_group()
-                groups.append(iv)
+            if cutlass.const_expr(not self.recompute):
+                for iv in cutlass.range_constexpr(min(STAGES, NV)):
+                    cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
+                    cute.arch.cp_async_commit_group()
+                    groups.append(iv)
 
             # ---------------- phase 4: w = X KE, u = X v per 64-column tile (bf16 mma.sync)
             tiled_mma = cute.make_tiled_mma(
