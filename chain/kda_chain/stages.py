@@ -476,7 +476,7 @@ def _two(name: str, fla_fn: Callable) -> Stage:
 _FLA_OF_CUTE = {"fwd_prep": _fla_fwd_prep, "fwd": _fla_fwd_scan, "bwd_prep": _fla_bwd_prep, "b1": _fla_fwd_h,
                 "dhu": _fla_bwd_dhu,
                 "bwd_wy_dqkg": _fla_bwd_wy_dqkg,
-                "intra": _fla_bwd_intra}
+                "intra": _fla_bwd_intra, "l2norm_fwd": _fla_l2norm_fwd, "l2norm_bwd": _fla_l2norm_bwd}
 # The stages with a CuTe kernel, one per registry record: kda_cute.<name>, then fla, then the reference.
 CUTE_STAGES = {
     rec.name: Stage(rec.name, [cute_impl(rec), Impl("fla", fla_gate, _FLA_OF_CUTE[rec.name]),
@@ -497,8 +497,8 @@ intra = CUTE_STAGES["intra"]
 dg_cumsum = _two("dg_cumsum", _fla_dg_cumsum)
 # fla sums the GVA group with a torch view + sum too: one implementation on every device.
 gva_sum = Stage("gva_sum", [Impl("reference", _always, _ref("gva_sum"))])
-l2norm_fwd = _two("l2norm_fwd", _fla_l2norm_fwd)
-l2norm_bwd = _two("l2norm_bwd", _fla_l2norm_bwd)
+l2norm_fwd = CUTE_STAGES["l2norm_fwd"]
+l2norm_bwd = CUTE_STAGES["l2norm_bwd"]
 beta_sigmoid_fwd = _two("beta_sigmoid_fwd", _fla_beta_sigmoid_fwd)
 beta_sigmoid_bwd = _two("beta_sigmoid_bwd", _fla_beta_sigmoid_bwd)
 gate_bwd = _two("gate_bwd", _fla_gate_bwd)

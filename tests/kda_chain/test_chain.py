@@ -70,7 +70,8 @@ def test_cpu_dispatch_goes_to_reference_with_reasons(monkeypatch, caplog):
     caplog.set_level("INFO", logger="kda_chain")
     x = _inputs(T=64)
     reset_dispatch_log()
-    o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=x["A_log"])
+    o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=x["A_log"],
+                     use_qk_l2norm_in_kernel=True)
     o.sum().backward()
     log = {c.stage: c for c in dispatch_log()}
     for stage in CUTE:

@@ -136,7 +136,19 @@ def _probe_bwd_prep(d: Dims) -> tuple:
             d.t(d.HV, dtype=_F32), None, d.t(d.B, d.T, d.HV, 64), None, True, 64)
 
 
+def _probe_l2norm_fwd(d: Dims) -> tuple:
+    # l2norm_fwd(x): q (and k) with use_qk_l2norm_in_kernel
+    return (d.t(d.B, d.T, d.H, d.K),)
+
+
+def _probe_l2norm_bwd(d: Dims) -> tuple:
+    # l2norm_bwd(y, rstd, dy): dy as intra emits it when HV == H (q's dtype)
+    qk = d.t(d.B, d.T, d.H, d.K)
+    return (qk, d.t(d.B, d.T, d.H, dtype=_F32), qk)
+
+
 STAGES: tuple[CuteStage, ...] = (
+    CuteStage("l2norm_fwd", "l2norm_fwd", ("kda_cute_l2norm_fwd",), _probe_l2norm_fwd),
     CuteStage("fwd_prep", "fwd_prep", ("kda_cute_prep",), _probe_fwd_prep, module="prep"),
     CuteStage("fwd", "fwd_scan", ("kda_cute_fwd",), _probe_fwd),
     CuteStage("bwd_prep", "bwd_prep", ("kda_cute_bwd_prep",), _probe_bwd_prep),
@@ -145,6 +157,7 @@ STAGES: tuple[CuteStage, ...] = (
     CuteStage("bwd_wy_dqkg", "bwd_wy_dqkg", ("kda_cute_wy_dqkg",), _probe_wy_dqkg, flags=("want_dAqk",),
               module="wy_dqkg"),
     CuteStage("intra", "bwd_intra", ("kda_cute_intra",), _probe_intra, flags=("fold_dg", "emit_bf16")),
+    CuteStage("l2norm_bwd", "l2norm_bwd", ("kda_cute_l2norm_bwd",), _probe_l2norm_bwd),
 )
 BY_NAME: dict[str, CuteStage] = {s.name: s for s in STAGES}
 

@@ -24,7 +24,7 @@ bf16 / fp16 / tf32 conversions of `numerics`, prmt, dp2a, shfl.sync (bfly and id
 row.col f32.tf32.tf32.f32. Any other float-typed opcode of the integer families (add.bf16x2,
 min.ftz.f32, setp.lt.f16, ...) raises NotImplementedError rather than running as integer arithmetic
 on the bits. ex2.approx.ftz.f32 is modelled as exact exp2 with flush-to-zero (lg2.approx.ftz.f32 as exact
-log2, div.rn.f32 as IEEE division; the hardware's ~2 ulp
+log2, div.rn.f32 / rcp.rn.f32 / sqrt.rn.f32 as IEEE; the hardware's ~2 ulp
 error is not), the mma operands as tf32-truncated (their low 13 bits dropped) with a float64 sum
 rounded once to float32 (the hardware's accumulation order is not modelled).
 Not modelled: timing, caches, memory ordering between threads except at the collectives (a thread
@@ -319,6 +319,12 @@ class CTA:
                 x = ftz(fv(args[1]))
                 with np.errstate(divide="ignore", invalid="ignore"):
                     R[args[0]] = f2b(F32(np.log2(np.float64(x))))
+            elif op in ("sqrt.rn.f32", "sqrt.approx.f32", "sqrt.approx.ftz.f32"):  # as IEEE sqrt
+                with np.errstate(invalid="ignore"):
+                    R[args[0]] = f2b(F32(np.sqrt(np.float64(fv(args[1])))))
+            elif op == "rcp.rn.f32":  # IEEE reciprocal
+                with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                    R[args[0]] = f2b(F32(1.0) / F32(fv(args[1])))
             elif op == "div.rn.f32":  # IEEE round-to-nearest division
                 with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                     R[args[0]] = f2b(F32(fv(args[1])) / F32(fv(args[2])))
