@@ -66,6 +66,21 @@ def dtype_reason(q, same, gk, beta, gk_dtypes=(torch.float32,)) -> str | None:
     return None
 
 
+def row_reason(name: str, x) -> str | None:
+    """x [B, T, H, K] in bf16 / fp16 with K % 32 == 0 and K <= 256, not empty (the per-row
+    kernels: kda_cute.l2norm_fwd / l2norm_bwd, a warp per token); or the first reason not."""
+    if x.dim() != 4:
+        return f"{name} must be [B, T, H, K]; got {tuple(x.shape)}"
+    if x.dtype not in IO:
+        return f"{name} dtype {x.dtype} (bf16 or fp16 expected)"
+    K = x.shape[3]
+    if K % 32 or K > 256:
+        return f"K={K} (kernel built for K % 32 == 0, K <= 256)"
+    if x.numel() == 0:
+        return "empty call: nothing to launch"
+    return None
+
+
 def layout_reason(names, tensors) -> str | None:
     """Every tensor contiguous, 16-byte aligned, on one device the kernel can use; or why not."""
     for name, t in zip(names, tensors, strict=True):

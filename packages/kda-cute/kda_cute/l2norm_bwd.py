@@ -80,15 +80,9 @@ _kernel_class = functools.cache(_build_kernel_class)
 
 # ----------------------------------------------------------------------------------- host side
 def _reason(y, rstd, dy) -> str | None:
-    if y.dim() != 4:
-        return f"y must be [B, T, H, K]; got {tuple(y.shape)}"
-    if y.dtype not in _warp.IO:
-        return f"y dtype {y.dtype} (bf16 or fp16 expected)"
-    K = y.shape[3]
-    if K % 32 or K > 256:
-        return f"K={K} (kernel built for K % 32 == 0, K <= 256)"
-    if y.numel() == 0:
-        return "empty call: nothing to launch"
+    r = _warp.row_reason("y", y)
+    if r is not None:
+        return r
     if tuple(rstd.shape) != tuple(y.shape[:3]) or rstd.dtype != torch.float32:
         return f"rstd must be {tuple(y.shape[:3])} float32; got {tuple(rstd.shape)} {rstd.dtype}"
     if dy.shape != y.shape or dy.dtype not in (y.dtype, torch.float32):

@@ -90,16 +90,7 @@ class L2Config:
 
 
 def _reason(x) -> str | None:
-    if x.dim() != 4:
-        return f"x must be [B, T, H, K]; got {tuple(x.shape)}"
-    if x.dtype not in _warp.IO:
-        return f"x dtype {x.dtype} (bf16 or fp16 expected)"
-    K = x.shape[3]
-    if K % 32 or K > 256:
-        return f"K={K} (kernel built for K % 32 == 0, K <= 256)"
-    if x.numel() == 0:
-        return "empty call: nothing to launch"
-    return _warp.layout_reason(("x",), (x,))
+    return _warp.row_reason("x", x) or _warp.layout_reason(("x",), (x,))
 
 
 def is_supported(x) -> str | None:
