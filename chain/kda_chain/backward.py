@@ -86,9 +86,8 @@ def backward(do, dht, s: Saved, f: Flags):
 def _backward(do, dht, s: Saved, f: Flags):
     q, k, v, beta = s.q, s.k, s.v, s.beta
     H, HV = q.shape[2], v.shape[2]
-    gk = s.gk
-    if s.kept is not None:  # disable_recompute
-        w, u, qg, kg, h, v_new = (s.kept.w, s.kept.u, s.kept.qg, s.kept.kg, s.kept.h, s.kept.v_new)
+    if s.kept is not None:  # disable_recompute: the forward kept these (and gk)
+        gk, w, u, qg, kg, h, v_new = (s.gk, s.kept.w, s.kept.u, s.kept.qg, s.kept.kg, s.kept.h, s.kept.v_new)
     else:  # gk and the WY factors again from the raw gate and the saved Akk (one kernel)
         gk, w, u, qg, kg = S.bwd_prep(q, k, v, s.g, beta, s.A_log, s.dt_bias, s.Akk, f.lower_bound,
                                       f.use_gate_in_kernel, f.chunk_size)

@@ -473,10 +473,9 @@ def _two(name: str, fla_fn: Callable) -> Stage:
 
 
 # fla's function for every CuTe stage of kda_cute.registry (the per-stage fallback)
-_FLA_OF_CUTE = {"fwd_prep": _fla_fwd_prep, "fwd": _fla_fwd_scan, "bwd_prep": _fla_bwd_prep, "b1": _fla_fwd_h,
-                "dhu": _fla_bwd_dhu,
-                "bwd_wy_dqkg": _fla_bwd_wy_dqkg,
-                "intra": _fla_bwd_intra, "l2norm_fwd": _fla_l2norm_fwd, "l2norm_bwd": _fla_l2norm_bwd}
+_FLA_OF_CUTE = {"l2norm_fwd": _fla_l2norm_fwd, "fwd_prep": _fla_fwd_prep, "fwd": _fla_fwd_scan,
+                "bwd_prep": _fla_bwd_prep, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu,
+                "bwd_wy_dqkg": _fla_bwd_wy_dqkg, "intra": _fla_bwd_intra, "l2norm_bwd": _fla_l2norm_bwd}
 # The stages with a CuTe kernel, one per registry record: kda_cute.<name>, then fla, then the reference.
 CUTE_STAGES = {
     rec.name: Stage(rec.name, [cute_impl(rec), Impl("fla", fla_gate, _FLA_OF_CUTE[rec.name]),

@@ -1,8 +1,8 @@
 """What the chunk-parallel warp-mma kernels (kda_cute.wy_dqkg, kda_cute.prep; kda_cute.intra its layout
-check and dtype names) share: their host checks and launch plumbing, and the device pieces of their
-kernels (cp.async copies, the 128-byte swizzle of 64-column 16-bit smem rows, ldmatrix atoms). One
-CTA per (chunk, hv, b); every view's batch and time modes are dynamic, so one compile serves every B
-and T.
+check and dtype names; the per-row kernels kda_cute.l2norm_fwd / l2norm_bwd their checks) share:
+their host checks and launch plumbing, and the device pieces of their kernels (cp.async copies, the
+128-byte swizzle of 64-column 16-bit smem rows, ldmatrix atoms). One CTA per (chunk, hv, b); every
+view's batch and time modes are dynamic, so one compile serves every B and T.
 
 The device functions import the DSL: call them only while a kernel is being built.
 """

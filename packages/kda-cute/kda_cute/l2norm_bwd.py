@@ -9,7 +9,8 @@ CTA decomposition: 256 threads = 8 warps, one token per warp, the warp walking t
 5-step butterfly. Grid (ceil(T / 8), B): a ragged T is a predicate, any T runs.
 
 Why a kernel of ours: as kda_cute_l2norm_fwd's (host time per launch at the shapes people train
-at); the device time is a copy's and a half (read y, dy, write dx).
+at); the device time is a copy's and a half (read y, dy, write dx). Today (H200, 2026-12-02, the
+witness at B16 T8192 H16 K128 bf16): 0.762 ms for q and k together against fla's 0.730 (0.96x).
 
 Constraints: y [B, T, H, K] bf16 / fp16, K % 32 == 0 and K <= 256, rstd [B, T, H] fp32, dy y's
 shape in y's dtype or fp32; contiguous, 16-byte aligned.

@@ -10,8 +10,11 @@ CTA decomposition: 256 threads = 8 warps, one token per warp, the warp walking t
 
 Why a kernel of ours: at the shapes people train at the chain is host-bound (bench/check_launch.py),
 and fla's Triton launch costs ~80-100 us of host time per call against ~20-40 for a CuTe launch
-on the TVM-FFI path; the device time is a copy's (read x, write y: 2 x 0.27 GB for q at the
-reference shape B16 T8192 H16 K128 bf16, ~0.14 ms at 4 TB/s).
+on the TVM-FFI path; the device time is a copy's (read x, write y: 2 x 0.537 GB for q at the
+reference shape B16 T8192 H16 K128 bf16, 0.27 ms at 4 TB/s).
+
+Today (H200, 2026-12-02, the witness at that shape): 0.597 ms for q and k together against fla's
+0.514 (0.86x: 3.6 TB/s; 8-byte loads per lane, docs/perf/l2norm.md has the next step).
 
 Constraints: x [B, T, H, K] bf16 / fp16, K % 32 == 0 and K <= 256, contiguous, 16-byte aligned.
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_l2norm_compile.py) against float64.

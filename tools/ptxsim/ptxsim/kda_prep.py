@@ -16,6 +16,17 @@ from .ext_wy import WyCTA, wy_program
 from .launch import run_grid
 
 
+def _poisoned_grid(outs, v, ctas):
+    """NaN into every output (None skipped); `ctas`, or every (chunk, hv, b) CTA of v's grid."""
+    for t in outs:
+        if t is not None:
+            t.fill_(float("nan"))
+    if ctas is not None:
+        return ctas
+    B, T, HV, _ = v.shape
+    return [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
+
+
 def emulate_prep(text, args, want_qg=True, ctas=None):
     """Run kda_cute_prep's PTX on CPU for `args` = (q, k, v, g, beta, A_log, dt_bias, lower_bound,
     use_gate_in_kernel) (`prep_inputs`' list; the scale is compiled in): (gk, w, u, qg, kg, Aqk,
@@ -23,13 +34,8 @@ def emulate_prep(text, args, want_qg=True, ctas=None):
     from kda_cute import prep
 
     q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
-    B, T, HV, _ = v.shape
     outs = prep._outputs(q, v, want_qg, "cpu")
-    for t in outs:
-        if t is not None:
-            t.fill_(float("nan"))
-    if ctas is None:
-        ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
+    ctas = _poisoned_grid(outs, v, ctas)
     cfg = prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in, 1.0, want_qg)
     tensors = list(prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs))
     if not want_qg:  # the launch passes kg's storage there; here a poisoned buffer of its own
@@ -66,12 +72,8 @@ def emulate_bwd_prep(text, args, Akk, ctas=None):
     from kda_cute import bwd_prep
 
     q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
-    B, T, HV, _ = v.shape
     outs = bwd_prep._outputs(q, v, "cpu")
-    for t in outs:
-        t.fill_(float("nan"))
-    if ctas is None:
-        ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
+    ctas = _poisoned_grid(outs, v, ctas)
     cfg = bwd_prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in)
     tensors = list(bwd_prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs))
     tensors[11] = torch.full_like(Akk, float("nan"))  # the Aqk stand-in: must stay untouched
