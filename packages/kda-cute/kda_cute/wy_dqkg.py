@@ -76,12 +76,25 @@ from . import _warp
 from ._common.cache import CallCache, alloc
 from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch
+from ._intra_walk import walk_class
 from ._warp import BT, BV, DT
 
 THREADS = 512
 STAGES = 2
 SUPPORTED_K = (128,)
 GPAD = 8  # gk smem row padding (floats): conflict-free pair reads at mma C positions
+QPAD = 8  # fused: q, k rows (16-bit elements), the intra walk's layout
+APAD = 4  # fused: dAqk / dAkk rows (floats), conflict-free tf32 A-fragment reads in the walk
+# fused: the region that holds the V ring, then the epilogue's tiles, then the walk's operands
+# (byte offsets; every swizzled tile 1024-aligned). Walk: dq, dk, dg in (fp32 [64, 128]) at
+# 0 / 32K / 64K, dAqk / dAkk (fp32 [64, 68]) at 96K / 113K, the per-warp staging at 130K.
+# Ring: do, v_new, dv, v (2 x 8 KB each) at 0-64K, h, dh (2 x 16 KB) at 64K-128K, Akk at 130K,
+# the dv2 staging tile at 138K. Epilogue: dw, bf16(k E) at 32K / 48K (dk's slot: written after
+# their GEMMs), the masked dA and X at 113K / 121K (dAkk's slot: written after their GEMMs).
+R_DQ, R_DK, R_DG, R_AQ, R_AK, R_ST = 0, 32768, 65536, 98304, 115712, 133120
+R_DO, R_VN, R_DV, R_V, R_H, R_DH, R_A, R_O = 0, 16384, 32768, 49152, 65536, 98304, 133120, 141312
+R_DW, R_KG, R_DAM, R_X = 32768, 49152, 115712, 123904
+R_BYTES = R_ST + THREADS // 32 * 8 * 33 * 4  # 150016
 
 _cache = CallCache("kda_cute_wy_dqkg")
 
@@ -89,7 +102,8 @@ _cache = CallCache("kda_cute_wy_dqkg")
 class KdaWyDqkg:
     """See the module docstring. io: the 16-bit operand dtype; beta_dtype: beta's."""
 
-    def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_dAqk: bool):
+    def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_dAqk: bool,
+                 fused: bool = False, emit_bf16: bool = False):
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -97,7 +111,19 @@ class KdaWyDqkg:
         self.NV = V // BV
         self.gsize = gsize
         self.scale = float(scale)
-        self.want_dAqk = want_dAqk
+        self.fused = fused  # kda_cute_bwd_chunk: the intra walk follows in the same CTA
+        self.want_dAqk = want_dAqk or fused
+        # the intra walk's parameters (kda_cute._intra_walk): 4 groups of K threads, one 16-row
+        # block each; its smem operands in this kernel's strides
+        self.fold_dg = True
+        self.emit_bf16 = emit_bf16
+        self.pf = 2
+        self.ngrp = THREADS // K
+        self.bpg = BT // 16 // self.ngrp
+        self.wpg = K // 32
+        self.qs = K + QPAD
+        self.gs = K + GPAD
+        self.as_ = BT + APAD
 
 
 def _build_kernel_class():
@@ -120,7 +146,7 @@ def _build_kernel_class():
         )
         return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
 
-    class _Kernel(KdaWyDqkg):
+    class _Kernel(KdaWyDqkg, walk_class()):
         @cute.jit
         def __call__(
             self,
@@ -147,14 +173,35 @@ def _build_kernel_class():
             B = cute.size(mG, mode=[0])
             T = cute.size(mG, mode=[1])
             HV = cute.size(mG, mode=[2])
-            kernel = self.kda_cute_wy_dqkg(
-                mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA, mDAq
-            )
+            if cutlass.const_expr(self.fused):  # (mDA, mDAq: the host passes dg's storage, unused)
+                kernel = self.kda_cute_bwd_chunk(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk,
+                                                 mDv2, mDb, mDg)
+            else:
+                kernel = self.kda_cute_wy_dqkg(
+                    mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA, mDAq
+                )
             kernel.launch(grid=(T // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=1,
                           preferred_smem_carveout=100, stream=stream)
 
         @cute.kernel
-        def kda_cute_wy_dqkg(
+        def kda_cute_wy_dqkg(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mVn: cute.Tensor,
+                             mG: cute.Tensor, mBeta: cute.Tensor, mA: cute.Tensor, mH: cute.Tensor,
+                             mDo: cute.Tensor, mDh: cute.Tensor, mDv: cute.Tensor, mDq: cute.Tensor,
+                             mDk: cute.Tensor, mDv2: cute.Tensor, mDb: cute.Tensor, mDg: cute.Tensor,
+                             mDA: cute.Tensor, mDAq: cute.Tensor):
+            self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA, mDAq)
+
+        @cute.kernel
+        def kda_cute_bwd_chunk(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mVn: cute.Tensor,
+                               mG: cute.Tensor, mBeta: cute.Tensor, mA: cute.Tensor, mH: cute.Tensor,
+                               mDo: cute.Tensor, mDh: cute.Tensor, mDv: cute.Tensor, mDq: cute.Tensor,
+                               mDk: cute.Tensor, mDv2: cute.Tensor, mDb: cute.Tensor, mDg: cute.Tensor):
+            """fused: dq, dk (io with emit_bf16, else fp32), dv2, db, dg folded (the walk's outputs);
+            no dAkk / dAqk leave the CTA (dg stands in for their tensors: never indexed)."""
+            self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDg, mDg)
+
+        @cute.jit
+        def _body(
             self,
             mQ: cute.Tensor,
             mK: cute.Tensor,
@@ -180,6 +227,7 @@ def _build_kernel_class():
             io = self.io_dtype
             mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDg, mDA = (
                 _warp.gmem(t) for t in (mQ, mK, mV, mVn, mG, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDg, mDA))
+            fused = self.fused
             tidx, _, _ = cute.arch.thread_idx()
             t_idx, hv, b = cute.arch.block_idx()
             h = hv // self.gsize
@@ -201,12 +249,13 @@ def _build_kernel_class():
             gDv2 = cute.local_tile(mDv2[b, None, hv, None], (BT, BV), (t_idx, None))
             gH = cute.local_tile(mH[b, t_idx, hv, None, None], (K, BV), (0, None))
             gDh = cute.local_tile(mDh[b, t_idx, hv, None, None], (K, BV), (0, None))
-            gDq = cute.local_tile(mDq[b, None, hv, None], (BT, K), (t_idx, 0))
-            gDk = cute.local_tile(mDk[b, None, hv, None], (BT, K), (t_idx, 0))
-            gDg = cute.local_tile(mDg[b, None, hv, None], (BT, K), (t_idx, 0))
-            gDA = cute.local_tile(mDA[b, None, hv, None], (BT, BT), (t_idx, 0))
-            if cutlass.const_expr(self.want_dAqk):
-                gDAq = cute.local_tile(_warp.gmem(mDAq)[b, None, hv, None], (BT, BT), (t_idx, 0))
+            if cutlass.const_expr(not fused):
+                gDq = cute.local_tile(mDq[b, None, hv, None], (BT, K), (t_idx, 0))
+                gDk = cute.local_tile(mDk[b, None, hv, None], (BT, K), (t_idx, 0))
+                gDg = cute.local_tile(mDg[b, None, hv, None], (BT, K), (t_idx, 0))
+                gDA = cute.local_tile(mDA[b, None, hv, None], (BT, BT), (t_idx, 0))
+                if cutlass.const_expr(self.want_dAqk):
+                    gDAq = cute.local_tile(_warp.gmem(mDAq)[b, None, hv, None], (BT, BT), (t_idx, 0))
 
             # ---------------- shared memory
             smem = cutlass.memory.SmemAllocator()
@@ -215,27 +264,48 @@ def _build_kernel_class():
             l64s = cute.tile_to_shape(atom, (BT, BV, STAGES), (0, 1, 2))
             lks = cute.tile_to_shape(atom, (K, BV, STAGES), (0, 1, 2))
             lk = cute.tile_to_shape(atom, (BT, K), (0, 1))
-            sDo = smem.allocate_tensor(io, l64s, 1024)
-            sVn = smem.allocate_tensor(io, l64s, 1024)
-            sDv = smem.allocate_tensor(io, l64s, 1024)
-            sV = smem.allocate_tensor(io, l64s, 1024)
-            sH = smem.allocate_tensor(io, lks, 1024)
-            sDh = smem.allocate_tensor(io, lks, 1024)
-            sA = smem.allocate_tensor(io, l64, 1024)
-            sQ = smem.allocate_tensor(io, lk, 1024)
-            sK = smem.allocate_tensor(io, lk, 1024)
             GS = K + GPAD
+            if cutlass.const_expr(fused):  # one region: the ring, the epilogue's tiles, the walk's
+                reg = smem.allocate_tensor(f32, cute.make_layout(R_BYTES // 4), 1024).iterator
+
+                def at(off, dtype, layout):
+                    return cute.make_tensor(cute.recast_ptr(reg + off // 4, dtype=dtype), layout)
+
+                sDo, sVn, sDv, sV = (at(o, io, l64s) for o in (R_DO, R_VN, R_DV, R_V))
+                sH, sDh = at(R_H, io, lks), at(R_DH, io, lks)
+                sA, sO = at(R_A, io, l64), at(R_O, io, l64)
+                sDW, sKG = at(R_DW, io, lk), at(R_KG, io, lk)
+                sDAm, sX = at(R_DAM, io, l64), at(R_X, io, l64)
+                lqk = cute.make_layout((BT, K), stride=(self.qs, 1))
+                sQ = smem.allocate_tensor(io, lqk, 16)
+                sK = smem.allocate_tensor(io, lqk, 16)
+                lin = cute.make_layout((BT, K), stride=(K, 1))
+                sDqS, sDkS, sDgS = (at(o, f32, lin) for o in (R_DQ, R_DK, R_DG))
+                lda = cute.make_layout((BT, BT), stride=(self.as_, 1))
+                sAqS, sAkS = at(R_AQ, f32, lda), at(R_AK, f32, lda)
+                sStage = at(R_ST, f32, cute.make_layout((THREADS // 32, 8, 32), stride=(8 * 33, 33, 1)))
+                sDbi = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
+            else:
+                sDo = smem.allocate_tensor(io, l64s, 1024)
+                sVn = smem.allocate_tensor(io, l64s, 1024)
+                sDv = smem.allocate_tensor(io, l64s, 1024)
+                sV = smem.allocate_tensor(io, l64s, 1024)
+                sH = smem.allocate_tensor(io, lks, 1024)
+                sDh = smem.allocate_tensor(io, lks, 1024)
+                sA = smem.allocate_tensor(io, l64, 1024)
+                sQ = smem.allocate_tensor(io, lk, 1024)
+                sK = smem.allocate_tensor(io, lk, 1024)
+                sO = smem.allocate_tensor(io, l64, 1024)  # dv2 tile, staged for 16-byte stores
+                # epilogue tiles over the ring (free once the V walk is done)
+                sDW = cute.make_tensor(sH.iterator, lk)  # dw (io), 16 KB
+                sKG = cute.make_tensor(sDh.iterator, lk)  # bf16(k E), 16 KB
+                sDAm = cute.make_tensor(sDo.iterator, l64)  # bf16(strict(dA) beta_j)
+                sX = cute.make_tensor(sVn.iterator, l64)  # bf16(dA A^T)
             sG = smem.allocate_tensor(f32, cute.make_layout((BT, K), stride=(GS, 1)), 16)
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
             sDbp = smem.allocate_tensor(f32, cute.make_layout((BT, 4), stride=(4, 1)), 16)
             sCol = smem.allocate_tensor(f32, cute.make_layout((4, K), stride=(K, 1)), 16)
             sHd = smem.allocate_tensor(f32, cute.make_layout(K), 16)
-            sO = smem.allocate_tensor(io, l64, 1024)  # dv2 tile, staged for 16-byte stores
-            # epilogue tiles over the ring (free once the V walk is done)
-            sDW = cute.make_tensor(sH.iterator, lk)  # dw (io), 16 KB
-            sKG = cute.make_tensor(sDh.iterator, lk)  # bf16(k E), 16 KB
-            sDAm = cute.make_tensor(sDo.iterator, l64)  # bf16(strict(dA) beta_j)
-            sX = cute.make_tensor(sVn.iterator, l64)  # bf16(dA A^T)
 
             # transposed views (M / N the contiguous mode): [i, j] = A[j, i] etc.
             tr64 = cute.make_layout((BT, BT), stride=(BT, 1))
@@ -434,7 +504,10 @@ def _build_kernel_class():
                         if i >= j:
                             y = maq[r, c] * self.scale
                         maq[r, c] = y
-                cute.copy(st_c, tsc.retile(acc_aq), tsc.partition_D(gDAq))
+                if cutlass.const_expr(fused):
+                    cute.copy(st_c, tsc.retile(acc_aq), tsc.partition_D(sAqS))
+                else:
+                    cute.copy(st_c, tsc.retile(acc_aq), tsc.partition_D(gDAq))
             cute.arch.cp_async_wait_group(0)
             hd = hd + cute.arch.shuffle_sync_bfly(hd, offset=1)
             hd = hd + cute.arch.shuffle_sync_bfly(hd, offset=2)
@@ -470,7 +543,10 @@ def _build_kernel_class():
             to_smem_io(kf * e, sKG)  # bf16(k E)
             dq = acc_q.load() * e * scale
             acc_q.store(dq)
-            cute.copy(st_c, tsc.retile(acc_q), tsc.partition_D(gDq))
+            if cutlass.const_expr(fused):
+                cute.copy(st_c, tsc.retile(acc_q), tsc.partition_D(sDqS))
+            else:
+                cute.copy(st_c, tsc.retile(acc_q), tsc.partition_D(gDq))
             dkp = acc_k.load() * _exp2(frag_f32(sGn).load() - gv)
             acc_k.store(dkp)
             kdk = kf * dkp
@@ -522,7 +598,11 @@ def _build_kernel_class():
             bv = rb.load()
             dkb = acc_b.load()
             acc_k.store(acc_k.load() + dkb * (e * bv))
-            cute.copy(st_c, tsc.retile(acc_k), tsc.partition_D(gDk))
+            if cutlass.const_expr(fused):
+                cute.arch.sync_threads()  # every warp is past the GEMMs on dw, k E (dk's slot)
+                cute.copy(st_c, tsc.retile(acc_k), tsc.partition_D(sDkS))
+            else:
+                cute.copy(st_c, tsc.retile(acc_k), tsc.partition_D(gDk))
             acc_q.store(acc_q.load() + kE * dkb * bv)
             acc_b.store(dkb * kE)
             mq = _mn_view(acc_q)
@@ -539,7 +619,10 @@ def _build_kernel_class():
                         gn = sG[BT - 1, kk]
                         mq[r, c] = (mq[r, c] + sHd[kk] * _exp2(gn) + sCol[0, kk] + sCol[1, kk] + sCol[2, kk]
                                     + sCol[3, kk])
-            cute.copy(st_c, tsc.retile(acc_q), tsc.partition_D(gDg))
+            if cutlass.const_expr(fused):
+                cute.copy(st_c, tsc.retile(acc_q), tsc.partition_D(sDgS))
+            else:
+                cute.copy(st_c, tsc.retile(acc_q), tsc.partition_D(gDg))
             # db: the quad's 4 lanes, then the 4 column warps through smem
             for r in cutlass.range_constexpr(NR):
                 v = db_row[r]
@@ -562,7 +645,11 @@ def _build_kernel_class():
             cute.copy(st_c16, tsc16.retile(r16), tsc16.partition_D(sDAm))
             cute.arch.sync_threads()
             if tidx < BT:
-                mDb[b, row0 + tidx, hv] = sDbp[tidx, 0] + sDbp[tidx, 1] + sDbp[tidx, 2] + sDbp[tidx, 3]
+                dbt = sDbp[tidx, 0] + sDbp[tidx, 1] + sDbp[tidx, 2] + sDbp[tidx, 3]
+                if cutlass.const_expr(fused):
+                    sDbi[tidx] = dbt
+                else:
+                    mDb[b, row0 + tidx, hv] = dbt
             acc_a.fill(0.0)
             pDAm = cpAn.partition_S(sDAm)
             rDAm = thr.make_fragment_A(thr.partition_A(sDAm))
@@ -592,7 +679,20 @@ def _build_kernel_class():
                     if i > j:
                         y = -ma[r, c]
                     ma[r, c] = y
-            cute.copy(st_c, tsc.retile(acc_a), tsc.partition_D(gDA))
+            if cutlass.const_expr(fused):
+                cute.arch.sync_threads()  # every warp is past the GEMM on X (dAkk's slot)
+                cute.copy(st_c, tsc.retile(acc_a), tsc.partition_D(sAkS))
+                cute.arch.sync_threads()  # the walk's operands in place
+                # ---------------- the intra walk (kda_cute._intra_walk) over the staged tiles
+                d = tidx % K
+                scol = cute.make_layout(BT, stride=K)
+                ins = [cute.make_tensor(t.iterator + d, scol) for t in (sDqS, sDkS, sDgS)]
+                gcol = cute.make_layout(BT, stride=cute.size(mG, mode=[2]) * K)
+                outs = [cute.make_tensor(m[b, row0, hv, None].iterator + d, gcol) for m in (mDq, mDk, mDg)]
+                gDb = cute.local_tile(mDb[b, None, hv], (BT,), (t_idx,))
+                self.intra_walk(tidx, sQ, sK, sG, sAqS, sAkS, sBeta, sDbp, sStage, *ins, *outs, sDbi, gDb, 0)
+            else:
+                cute.copy(st_c, tsc.retile(acc_a), tsc.partition_D(gDA))
 
     return _Kernel
 
@@ -644,6 +744,8 @@ class WyDqkgConfig:
     scale: float
     want_dAqk: bool
     arch: str
+    fused: bool = False  # kda_cute_bwd_chunk (kda_cute.bwd_chunk): the intra walk in the same CTA
+    emit_bf16: bool = False  # fused: dq, dk out in the io dtype
 
 
 def _config(q, v, beta, scale, want_dAqk) -> WyDqkgConfig:
@@ -679,7 +781,7 @@ def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
 
     kern = _kernel_class()(
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
-        cfg.want_dAqk,
+        cfg.want_dAqk, cfg.fused, cfg.emit_bf16,
     )
     return cute.compile(kern, *views, stream, options=options)
 

@@ -1,0 +1,105 @@
+"""kda_cute_bwd_chunk: the whole chunk-parallel backward after the two scans on sm_90, one kernel
+(fla 0.6.0's `chunk_kda_bwd_wy_dqkg_fused` + `chunk_kda_bwd_dAv`'s dA + `chunk_kda_bwd_intra` +
+the reverse `chunk_local_cumsum` of dg; the chain's stage `bwd_chunk`).
+
+Per chunk of BT = 64 tokens and value head hv, from the scans' h, dh, v_new, dv and the recomputed
+factors (gk, Akk), every gradient of the chunk-parallel backward:
+
+    the WY / state part (kda_cute.wy_dqkg's contract, with want_dAqk): dq, dk, dv2, db, dg,
+        dAkk = the gradient through Akk, dAqk = scale tril(do v_new^T)
+    the intra-chunk part (kda_cute.intra's contract, fold_dg): dq, dk, db, dg += the terms
+        through Aqk and Akk; dg reverse-cumsummed within the chunk; dq / dk in q's dtype with
+        emit_bf16 (HV == H), else fp32 (the chain sums them over the GVA group)
+
+The kernel is kda_cute_wy_dqkg's class compiled with `fused=True` (kda_cute.wy_dqkg's docstring
+has its CTA decomposition: 512 threads, the V walk in 64-wide tiles on bf16 mma.sync, the
+epilogue's GEMMs), whose epilogue hands dq, dk, dg, dAqk, dAkk (fp32) and db to the intra walk
+(kda_cute._intra_walk: a thread per key column, here 4 groups of 128 threads, one 16-row block
+each) through smem instead of global memory. One region of 146.5 KB holds the V ring during the
+walk over V, then the epilogue's tiles, then the walk's operands (wy_dqkg.R_*: the offsets); q, k
+(rows padded to 136 elements, the walk's layout) and gk (136 floats) are loaded once and serve
+both parts. ~219 KB of smem, one CTA per SM.
+
+Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (emit_bf16):
+
+    read    q, k 1.074 GB, gk 1.074, v, v_new, do, dv 4.295, h, dh 4.295, Akk 0.268   11.01 GB
+    write   dq, dk 1.074 GB, dg 1.074, dv2 1.074, db 0.008                              3.23 GB
+    total   14.24 GB: 3.56 ms at 4.0 TB/s (kda_cute_wy_dqkg + kda_cute_intra: 16.39 + 8.61 GB)
+
+What it removes: the fp32 dq, dk, dg, dAqk, dAkk that went out of wy_dqkg and back into intra
+(10.7 GB of traffic at that shape) and one launch.
+
+Constraints: kda_cute_wy_dqkg's (K = 128, V % 64 == 0, T % 64 == 0, HV % H == 0, dtypes, contiguous
+and 16-byte aligned). This module is the stage's host side; the device code is wy_dqkg's class and
+the shared intra walk, so neither part can drift from its standalone kernel.
+
+Validated on CPU by the PTX interpreter (tests/kda_cute/test_bwd_chunk_compile.py) against
+float64 and against the two standalone kernels' PTX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import _warp
+from . import wy_dqkg as _wy
+from ._common.cache import CallCache, alloc
+
+BT = _wy.BT
+_cache = CallCache("kda_cute_bwd_chunk")
+
+
+def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False) -> str | None:
+    """None when `bwd_chunk` runs the CuTe kernel on these arguments, else the reason it would not."""
+    return _wy._hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
+
+
+def _config(q, v, beta, scale, emit_bf16) -> _wy.WyDqkgConfig:
+    return dataclasses.replace(_wy._config(q, v, beta, scale, True), fused=True, emit_bf16=bool(emit_bf16))
+
+
+def _outputs(q, v, emit_bf16, device):
+    """dq, dk (q's dtype with emit_bf16, else fp32), dv2, db, dg: fresh."""
+    B, T, HV, V = v.shape
+    K = q.shape[3]
+    qk = q.dtype if emit_bf16 else torch.float32
+    return (
+        alloc((B, T, HV, K), qk, device),  # dq
+        alloc((B, T, HV, K), qk, device),  # dk
+        alloc((B, T, HV, V), v.dtype, device),  # dv2
+        alloc((B, T, HV), torch.float32, device),  # db
+        alloc((B, T, HV, K), torch.float32, device),  # dg
+    )
+
+
+def _kernel_args(inputs, outs):
+    """The class's eighteen tensors: the eleven inputs, dq, dk, dv2, db, dg, then dg's storage twice
+    in the dAkk / dAqk slots (the fused kernel has neither output and never indexes them)."""
+    return (*inputs, *outs, outs[4], outs[4])
+
+
+def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, keep_ptx=False):
+    """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
+    cfg = _config(q, v, beta, scale, emit_bf16)
+    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), _outputs(q, v, emit_bf16, q.device))
+    return _warp.compile_only(lambda views, stream, opts: _wy._build(views, stream, cfg, opts), args, keep_ptx)
+
+
+def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False):
+    """wy_dqkg (want_dAqk) then intra (fold_dg) in one kernel -> (dq, dk, dv2, db, dg); fresh outputs."""
+    reason = is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16)
+    if reason is not None:
+        raise ValueError(f"kda_cute.bwd_chunk.bwd_chunk: unsupported call: {reason}")
+    return launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16)
+
+
+def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False):
+    """`bwd_chunk` without its checks: for a caller whose `is_supported` just said None (the
+    chain's gate), so a host-bound step does not pay for them twice."""
+    outs = _outputs(q, v, emit_bf16, q.device)
+    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs)
+    cfg = _config(q, v, beta, scale, emit_bf16)
+    _warp.launch(_cache, cfg, args, lambda views, stream, opts: _wy._build(views, stream, cfg, opts))
+    return outs
