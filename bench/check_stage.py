@@ -4,6 +4,9 @@ arguments of a chain call:
     bwd_wy_dqkg   kda_cute.wy_dqkg (kernel kda_cute_wy_dqkg) vs chunk_kda_bwd_wy_dqkg_fused
     fwd_prep      kda_cute.prep (kernel kda_cute_prep) vs kda_gate_chunk_cumsum + chunk_kda_fwd_intra
     bwd_prep      kda_cute.bwd_prep (kernel kda_cute_bwd_prep) vs kda_gate_chunk_cumsum + recompute_w_u
+    bwd_chunk     kda_cute.bwd_chunk (kernel kda_cute_bwd_chunk) vs wy_dqkg + bwd_dAv + bwd_intra +
+                  the dg cumsum (dq / dk rounded to q's dtype, as the chain asks ours: emit_bf16);
+                  timed also against our two-kernel path (kda_cute_wy_dqkg + kda_cute_intra)
 
 Per shape: one fwd+bwd of kda_chain.chunk_kda (gate + l2norm in the op; A_log up to log 16, so
 gates reach ~-10 per step) runs under `kda_chain.stages.capture()`; the stage's arguments are
@@ -13,7 +16,7 @@ within 2x fla's relative error (+1e-6), and bitwise equal on a second call. fla 
 upper triangle unwritten (its consumers mask it): Aqk is compared on and below the diagonal.
 Timing: CUDA events, median (bench/cuda_clock), ours and fla in one run.
 
-    python bench/check_stage.py --stage fwd_prep [--no-time] [--quick]
+    python bench/check_stage.py --stage fwd_prep [bwd_prep ...] [--no-time] [--quick]
 """
 
 from __future__ import annotations
@@ -37,14 +40,33 @@ def _fla_dAqk(calls) -> tuple:
     return (S._fla_bwd_dAv(q, k, v_new, do, calls["fwd"][6], scale)[0],)
 
 
+def _fla_bwd_chunk(*args) -> tuple:
+    """fla's four kernels for bwd_chunk's contract, dq / dk in q's dtype (emit_bf16)."""
+    from kda_chain import stages as S
+
+    dq, dk, dv2, db, dg = S._fla_bwd_chunk(*args)
+    return dq.to(args[0].dtype), dk.to(args[0].dtype), dv2, db, dg
+
+
+def _split_bwd_chunk(*args) -> tuple:
+    """Our two-kernel path for bwd_chunk's contract (what the chain ran before the fused kernel)."""
+    from kda_cute import intra, wy_dqkg
+
+    q, k, _, _, gk, beta = args[:6]
+    dq, dk, dv2, db, dg, dAkk, dAqk = wy_dqkg.bwd_wy_dqkg(*args, want_dAqk=True)
+    dq, dk, db, dg = intra.bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=True, emit_bf16=True)
+    return dq, dk, dv2, db, dg
+
+
 @dataclass(frozen=True)
 class StageCheck:
     module: str  # kda_cute.<module>
     contract: str  # the function in that module and in kda_cute.reference
-    fla: str  # its fla adapter in kda_chain.stages
+    fla: str | Callable  # its fla adapter in kda_chain.stages (by name), or the function
     names: tuple[str, ...]
     flags: tuple[tuple[str, object], ...] = ()  # the keyword flags the chain passes the CuTe kernel
     fla_extra: Callable | None = None  # calls -> the outputs those flags add, as fla computes them
+    ours_before: Callable | None = None  # the stage's previous CuTe path, timed beside it
 
 
 CHECKS = {
@@ -54,6 +76,8 @@ CHECKS = {
                               _fla_dAqk),
     "fwd_prep": StageCheck("prep", "fwd_prep", "_fla_fwd_prep", ("gk", "w", "u", "qg", "kg", "Aqk", "Akk")),
     "bwd_prep": StageCheck("bwd_prep", "bwd_prep", "_fla_bwd_prep", ("gk", "w", "u", "qg", "kg")),
+    "bwd_chunk": StageCheck("bwd_chunk", "bwd_chunk", _fla_bwd_chunk, ("dq", "dk", "dv2", "db", "dg"),
+                            (("emit_bf16", True),), ours_before=_split_bwd_chunk),
 }
 
 
@@ -105,7 +129,7 @@ def ours_fla(stage, calls):
     from kda_chain import stages as S
 
     def fla():
-        out = getattr(S, c.fla)(*args)
+        out = (getattr(S, c.fla) if isinstance(c.fla, str) else c.fla)(*args)
         return out if c.fla_extra is None else (*out, *c.fla_extra(calls))
 
     return (lambda: getattr(mod, c.contract)(*args, **dict(c.flags))), fla, mod
@@ -154,15 +178,23 @@ def timing(stage, name, calls):
     run_ours, run_fla, _ = ours_fla(stage, calls)
     t_ours = median_ms(run_ours, inner=3)
     t_fla = median_ms(run_fla, inner=3)
+    before = CHECKS[stage].ours_before
+    extra = ""
+    if before is not None:
+        args = calls[stage]
+        t_b = median_ms(lambda: before(*args), inner=3)
+        extra = f", ours before {t_b:.3f} ms ({t_b / t_ours:.2f}x)"
     print(
-        f"TIME {stage} {name}: ours {t_ours:.3f} ms, fla {t_fla:.3f} ms, fla/ours {t_fla / t_ours:.2f}x",
+        f"TIME {stage} {name}: ours {t_ours:.3f} ms, fla {t_fla:.3f} ms, fla/ours {t_fla / t_ours:.2f}x"
+        + extra,
         flush=True,
     )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--stage", choices=sorted(CHECKS), required=True)
+    ap.add_argument("--stage", choices=sorted(CHECKS), required=True, nargs="+",
+                    help="one or more stages, checked on the same chain calls (one compile of each kernel)")
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
@@ -175,7 +207,9 @@ def main() -> int:
     ]
     for name, shape, gate in checks[:1] if a.quick else checks:
         try:
-            ok &= check(a.stage, name, chain_calls(*shape, gate=gate))
+            calls = chain_calls(*shape, gate=gate)
+            for st in a.stage:
+                ok &= check(st, name, calls)
         except Exception as e:  # report and go on: one call must tell everything
             ok = False
             print(f"ERROR {name}: {type(e).__name__}: {e}", flush=True)
@@ -187,9 +221,10 @@ def main() -> int:
         ):
             try:
                 calls = chain_calls(*shape)
-                if "reference" in name:
-                    ok &= check(a.stage, name + " [batch 0 vs float64]", calls)
-                timing(a.stage, name, calls)
+                for st in a.stage:
+                    if "reference" in name:
+                        ok &= check(st, name + " [batch 0 vs float64]", calls)
+                    timing(st, name, calls)
                 del calls
                 torch.cuda.empty_cache()
             except Exception as e:

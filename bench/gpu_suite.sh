@@ -62,7 +62,7 @@ for s in $steps; do
     scans)  # one process per scan: a hang costs only its own limit
       for st in ${SCAN_STAGES:-b1 fwd dhu}; do step "check_scans_$st" ${SCAN_LIMIT:-150} python bench/check_scans.py --stage $st; done ;;
     stages)  # the chunk-parallel CuTe stages vs fla on a chain call's arguments (bench/check_stage.py)
-      for st in ${CHECK_STAGES:-fwd_prep bwd_prep bwd_wy_dqkg}; do step "check_stage_$st" ${STAGE_LIMIT:-200} python bench/check_stage.py --stage $st; done ;;
+      step check_stages ${STAGE_LIMIT:-400} python bench/check_stage.py --stage ${CHECK_STAGES:-fwd_prep bwd_prep bwd_chunk} ;;
     launch)  # host vs device time per launch and per chain step (the small-shape slowdown)
       step check_launch 120 python bench/check_launch.py
       step check_launch_profile 120 python bench/check_launch.py --profile ;;

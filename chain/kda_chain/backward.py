@@ -8,13 +8,16 @@
                                grids on a second stream, beside dhu (which does not read its outputs)
     dhu                        kda_cute_dhu: reverse scan -> dh per chunk, dh0, dv2, with bwd_dAv's
                                dv = tril(Aqk)^T do computed inside (the fused form: Aqk, no dv)
-    bwd_wy_dqkg                dq, dk, dv, db, dg, dAkk through the WY form and the states; with
+    bwd_chunk                  kda_cute_bwd_chunk: everything below up to gva_sum in one kernel
+                               (dq, dk, dv, db, dg with dg reverse-cumsummed; dq / dk in q's dtype
+                               when HV == H); where it does not run ("split", with its reason):
+      bwd_wy_dqkg              dq, dk, dv, db, dg, dAkk through the WY form and the states; with
                                the CuTe kernel also bwd_dAv's dAqk = scale tril(do v_new^T)
-    bwd_dAv                    only where dhu or bwd_wy_dqkg is not the CuTe kernel
-    intra                      kda_cute_intra: the intra-chunk gradients through Aqk and Akk;
+      bwd_dAv                  only where dhu or bwd_wy_dqkg is not the CuTe kernel
+      intra                    kda_cute_intra: the intra-chunk gradients through Aqk and Akk;
                                with the CuTe kernel, fold_dg=True (dg comes out reverse-cumsummed,
                                so dg_cumsum is skipped) and, when HV == H, emit_bf16=True
-    dg_cumsum                  only when intra was not the CuTe kernel
+      dg_cumsum                only when intra was not the CuTe kernel
     gva_sum                    dq, dk summed over each group of HV // H value heads, in fp32
     gate_bwd                   only with the gate in kernel -> dg_raw, dA_log, ddt_bias
     l2norm_bwd, beta_sigmoid_bwd   only with those flags
@@ -115,27 +118,16 @@ def _backward(do, dht, s: Saved, f: Flags):
     if side is not None:
         _made_on(side, h, v_new)
     del qg, kg, w, u, dhu_in  # (the argument tuples hold references too)
-    wy_in = (q, k, v, v_new, gk, beta, s.Akk, h, do, dh, dv, f.scale)
-    if dAqk is None:
-        impl, reason = S.bwd_wy_dqkg.choose(*wy_in, want_dAqk=True)
-        if impl.name == "cute":
-            dq, dk, dv, db, dg, dAkk, dAqk = S.bwd_wy_dqkg.run(impl, reason, *wy_in, want_dAqk=True)
-        else:
-            dq, dk, dv, db, dg, dAkk = S.bwd_wy_dqkg.run(impl, reason, *wy_in)
-            dAqk, _ = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
+    wy_in = [q, k, v, v_new, gk, beta, s.Akk, h, do, dh, dv, f.scale]
+    del h, dh, v_new, dv  # (wy_in's references go as soon as their stage is done)
+    emit_bf16 = HV == H and q.dtype in _HALF
+    impl, reason = S.bwd_chunk.choose(*wy_in, emit_bf16=emit_bf16)
+    if impl.name == "cute":  # wy_dqkg, dAqk, intra and the dg fold in one kernel
+        dq, dk, dv, db, dg = S.bwd_chunk.run(impl, reason, *wy_in, emit_bf16=emit_bf16)
+        wy_in.clear()
     else:
-        dq, dk, dv, db, dg, dAkk = S.bwd_wy_dqkg(*wy_in)
-    del h, dh, v_new, wy_in
-
-    args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
-    flags = dict(fold_dg=True, emit_bf16=HV == H and q.dtype in _HALF)
-    impl, reason = S.intra.choose(*args, **flags)
-    if impl.name == "cute":
-        dq, dk, db, dg = S.intra.run(impl, reason, *args, **flags)
-    else:
-        dq, dk, db, dg = S.intra.run(impl, reason, *args)
-        dg = S.dg_cumsum(dg, f.chunk_size)
-    del args, dAqk, dAkk  # wy_dqkg's fp32 dq, dk, db, dg and the A gradients
+        with S.bwd_chunk.split(reason):
+            dq, dk, dv, db, dg = _wy_then_intra(wy_in, dAqk, s, f, emit_bf16)
 
     if HV > H:
         dq = S.gva_sum(dq, H)
@@ -150,3 +142,30 @@ def _backward(do, dht, s: Saved, f: Flags):
         db = S.beta_sigmoid_bwd(s.beta_raw, db, f.beta_scale)
     return dq, dk, dv, dg, db, dA_log, ddt_bias, dh0
 
+
+def _wy_then_intra(wy_in: list, dAqk, s: Saved, f: Flags, emit_bf16):
+    """The chunk-parallel backward as two stages where kda_cute_bwd_chunk does not run:
+    bwd_wy_dqkg (with bwd_dAv's dA, or after bwd_dAv), then intra. Empties
+    `wy_in` (h, dh, v_new freed) before intra allocates."""
+    q, k, v_new, gk, beta, do = (wy_in[i] for i in (0, 1, 3, 4, 5, 8))
+    if dAqk is None:
+        impl, reason = S.bwd_wy_dqkg.choose(*wy_in, want_dAqk=True)
+        if impl.name == "cute":
+            dq, dk, dv, db, dg, dAkk, dAqk = S.bwd_wy_dqkg.run(impl, reason, *wy_in, want_dAqk=True)
+        else:
+            dq, dk, dv, db, dg, dAkk = S.bwd_wy_dqkg.run(impl, reason, *wy_in)
+            dAqk, _ = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
+    else:
+        dq, dk, dv, db, dg, dAkk = S.bwd_wy_dqkg(*wy_in)
+    wy_in.clear()
+    del v_new
+
+    args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
+    flags = dict(fold_dg=True, emit_bf16=emit_bf16)
+    impl, reason = S.intra.choose(*args, **flags)
+    if impl.name == "cute":
+        dq, dk, db, dg = S.intra.run(impl, reason, *args, **flags)
+    else:
+        dq, dk, db, dg = S.intra.run(impl, reason, *args)
+        dg = S.dg_cumsum(dg, f.chunk_size)
+    return dq, dk, dv, db, dg

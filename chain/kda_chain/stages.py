@@ -328,6 +328,18 @@ class Stage:
     def __call__(self, *args, **kwargs):
         return self.run(*self.choose(*args, **kwargs), *args, **kwargs)
 
+    @contextlib.contextmanager
+    def split(self, reason: str | None):
+        """The block computes this stage from other stages instead (its CuTe kernel passed the call
+        over: `reason`): recorded as the implementation "split", the block inside its range."""
+        dispatch_log().append(Choice(self.name, "split", reason))
+        log_once(f"kda_chain: {self.name} runs as separate stages: {reason}", logger=log)
+        if not _profiler_enabled():
+            yield
+            return
+        with stage_range(self.name, "split", reason):
+            yield
+
 
 # ---------------------------------------------------------------------------------------------
 # fla adapters: our contract names -> fla 0.6.0's functions (imported lazily: fla pulls triton)
@@ -429,6 +441,15 @@ def _fla_bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, em
     return f(q=q, k=k, g=gk, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
 
 
+def _fla_bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False):
+    if emit_bf16:
+        raise ValueError("fla's kernels have no emit_bf16; the chain asks only the CuTe kernel")
+    dq, dk, dv2, db, dg, dAkk = _fla_bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale)
+    dAqk, _ = _fla_bwd_dAv(q, k, v_new, do, Akk, scale)  # (its dA does not read A)
+    dq, dk, db, dg = _fla_bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
+    return dq, dk, dv2, db, _fla_dg_cumsum(dg, 64)
+
+
 def _fla_dg_cumsum(dg, chunk_size):
     return _fla("fla.ops.utils", "chunk_local_cumsum")(dg, chunk_size=chunk_size, reverse=True)
 
@@ -475,7 +496,8 @@ def _two(name: str, fla_fn: Callable) -> Stage:
 # fla's function for every CuTe stage of kda_cute.registry (the per-stage fallback)
 _FLA_OF_CUTE = {"l2norm_fwd": _fla_l2norm_fwd, "fwd_prep": _fla_fwd_prep, "fwd": _fla_fwd_scan,
                 "bwd_prep": _fla_bwd_prep, "b1": _fla_fwd_h, "dhu": _fla_bwd_dhu,
-                "bwd_wy_dqkg": _fla_bwd_wy_dqkg, "intra": _fla_bwd_intra, "l2norm_bwd": _fla_l2norm_bwd}
+                "bwd_wy_dqkg": _fla_bwd_wy_dqkg, "intra": _fla_bwd_intra, "bwd_chunk": _fla_bwd_chunk,
+                "l2norm_bwd": _fla_l2norm_bwd}
 # The stages with a CuTe kernel, one per registry record: kda_cute.<name>, then fla, then the reference.
 CUTE_STAGES = {
     rec.name: Stage(rec.name, [cute_impl(rec), Impl("fla", fla_gate, _FLA_OF_CUTE[rec.name]),
@@ -493,6 +515,7 @@ bwd_dAv = Stage("bwd_dAv", [Impl("fla", fla_gate, _fla_bwd_dAv), Impl("reference
 dhu = CUTE_STAGES["dhu"]
 bwd_wy_dqkg = CUTE_STAGES["bwd_wy_dqkg"]
 intra = CUTE_STAGES["intra"]
+bwd_chunk = CUTE_STAGES["bwd_chunk"]
 dg_cumsum = _two("dg_cumsum", _fla_dg_cumsum)
 # fla sums the GVA group with a torch view + sum too: one implementation on every device.
 gva_sum = Stage("gva_sum", [Impl("reference", _always, _ref("gva_sum"))])
@@ -504,6 +527,6 @@ gate_bwd = _two("gate_bwd", _fla_gate_bwd)
 
 STAGES = {
     s.name: s
-    for s in (fwd_prep, fwd, bwd_prep, b1, bwd_dAv, dhu, bwd_wy_dqkg, intra,
+    for s in (fwd_prep, fwd, bwd_prep, b1, bwd_dAv, dhu, bwd_chunk, bwd_wy_dqkg, intra,
               dg_cumsum, gva_sum, l2norm_fwd, l2norm_bwd, beta_sigmoid_fwd, beta_sigmoid_bwd, gate_bwd)
 }

@@ -83,8 +83,10 @@ def _kernel_args(inputs, outs):
 def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
     cfg = _config(q, v, beta, scale, emit_bf16)
-    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), _outputs(q, v, emit_bf16, q.device))
-    return _warp.compile_only(lambda views, stream, opts: _wy._build(views, stream, cfg, opts), args, keep_ptx)
+    outs = _outputs(q, v, emit_bf16, q.device)
+    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs)
+    build = lambda views, stream, opts: _wy._build(views, stream, cfg, opts)  # noqa: E731
+    return _warp.compile_only(build, args, keep_ptx)
 
 
 def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False):

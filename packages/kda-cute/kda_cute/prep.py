@@ -16,9 +16,12 @@ gk_s) per key column, gl = gk at the chunk's last row:
 CTA decomposition: one CTA per (chunk, hv, b), grid (T / 64, HV, B), 256 threads (8 warps), two
 CTAs per SM (~105 KB of smem each: one CTA's load and solve latencies hide under the other's
 arithmetic). Phases, each ended by a barrier:
-  0. cp.async q, k; under them the gate: a thread per (column, half chunk) reads its 32 raw gate
-     values, runs their sum, then adds half 0's total (smem) and scales by 1 / ln 2 into the g
-     tile and out to gk; kg and qg out.
+  0. cp.async q, k; under them the gate: a warp per 8-row group, a lane per 4 key columns; each
+     thread loads its 8 rows' raw gate values as one vector per row (8 bytes bf16 / fp16, 16 fp32;
+     a warp's load is one whole row), computes the step gate and its running sum down its 8 rows
+     (registers), and stores the group's totals to smem; after the barrier it adds the totals of
+     the groups above it (in group order), scales by 1 / ln 2 and writes the g tile and gk
+     (16-byte rows); kg and qg out.
   1. A and L, every exp2 argument <= 0 for any gate <= 0 (g falls along the chunk): warps 0-5 the
      six 16 x 16 blocks below the diagonal blocks, one per warp, as tf32 mma.sync m16n8k8 (fla's
      tl.dot precision), operands computed into registers anchored at the source block's last
@@ -42,7 +45,8 @@ Aqk, Akk [B, T, HV, 64]; beta [B, T, HV]; A_log [HV], dt_bias [HV * K], fp32 vie
 host). smem: q, k rows padded to 136 elements, g to 132 floats, L / X to 68 floats (16-byte rows
 for the vector reads, conflict-light SIMT columns): 105 KB. Four buffers take a second role once
 their first is dead: q's holds bf16(beta k E), g's the V ring (128-byte swizzled 64-column rows,
-as bf16(X) in L's), X's the Aqk staging before it.
+as bf16(X) in L's), X's the Aqk staging before it; L's second half holds the gate's row-group
+totals in phase 0.
 
 Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, want_qg):
 
@@ -84,13 +88,16 @@ QPAD = 8  # q, k smem row padding (elements): 16-byte rows, rows 16 bytes apart 
 GPAD = 4  # g rows (floats)
 XPAD = 4  # L, X rows (floats)
 APAD = 8  # Aqk staging rows (elements)
+RG = 8  # the gate's rows per thread (phase 0): a row group per warp
+NRG = BT // RG  # row groups
+CG = THREADS // NRG  # 4-column groups: a lane each
 
 _cache = CallCache("kda_cute_prep")
 
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-GATES = ("none", "softplus", "lower_bound")  # g is the step log gate / fla's gate's input (see _gate_half)
+GATES = ("none", "softplus", "lower_bound")  # g is the step log gate / fla's gate's input (see _gate_rows)
 
 
 class KdaPrep:
@@ -289,53 +296,70 @@ def _build_kernel_class():
             sL[rr, ss] = ((ak[0] + ak[1]) + (ak[2] + ak[3])) * sBeta[rr]
 
         @cute.jit
-        def _gate_half(self, mG, mAlog, mBias, sG, sTot, b, hv, row0, t):
-            """Column t % K, rows 32 (t / K) .. + 31 of the chunk: the step gate in fp32 (fla's
-            kda_gate_chunk_cumsum: softplus: -exp(A_log) softplus(g + dt_bias); lower_bound:
-            lower_bound sigmoid(exp(A_log) (g + dt_bias)); none: g itself) and its running sum
-            down the 32 rows -> sG; the half's total -> sTot (half 0's only)."""
-            K = self.K
-            c = t % K
-            hf = t // K
+        def _gate_rows(self, mG, mAlog, mBias, sTot4, run, b, hv, row0, t):
+            """Columns 4 (t % 32) .. + 3 and rows RG (t / 32) .. + RG - 1 of the chunk (RG = 8: a warp
+            per row group, a lane per 4 columns, so each of the thread's row loads is one 8-byte
+            (bf16 / fp16) or 16-byte (fp32) vector and a warp's load is one whole row): the step
+            gate in fp32 (fla's kda_gate_chunk_cumsum: softplus: -exp(A_log) softplus(g + dt_bias);
+            lower_bound: lower_bound sigmoid(exp(A_log) (g + dt_bias)); none: g itself) and its
+            running sum down the thread's rows -> run[i, x] (registers); the group's totals -> sTot4
+            (groups 0 .. NRG - 2: the last one's is never read)."""
+            cg = t % CG
+            rg = t // CG
+            rowv = cute.make_layout((self.K // 4, 4), stride=(4, 1))
             ea = f32(1.0)
-            bias = f32(0.0)
+            bias = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            bias.fill(0.0)
             if cutlass.const_expr(self.gate != "none"):
                 ea = _exp2(f32(mAlog[0, hv]) * LOG2E)
                 if cutlass.const_expr(self.has_bias):
-                    bias = f32(mBias[hv, c])
-            run = f32(0.0)
-            for i in cutlass.range_constexpr(BT // 2):
-                r = hf * (BT // 2) + i
-                x = f32(mG[b, row0 + r, hv, c])
-                if cutlass.const_expr(self.gate == "softplus"):
-                    y = x + bias
-                    sp = y  # softplus(y) = y from 20 on (fla's threshold)
-                    if y < 20.0:
-                        sp = cute.math.log2(1.0 + _exp2(y * LOG2E), fastmath=True) * LN2
-                    x = -ea * sp
-                if cutlass.const_expr(self.gate == "lower_bound"):
-                    x = self.lower_bound / (1.0 + _exp2(-(ea * (x + bias)) * LOG2E))
-                run = run + x
-                sG[r, c] = run
-            if hf == 0:
-                sTot[c] = run
+                    for x in cutlass.range_constexpr(4):
+                        bias[x] = f32(mBias[hv, 4 * cg + x])
+            raw = []  # every row's load issued before the first use
+            for i in cutlass.range_constexpr(RG):
+                src = cute.make_tensor(mG[b, row0 + rg * RG + i, hv, None].iterator, rowv)
+                raw.append(src[cg, None].load())
+            for x in cutlass.range_constexpr(4):
+                acc = f32(0.0)
+                for i in cutlass.range_constexpr(RG):
+                    y = f32(raw[i][x])
+                    if cutlass.const_expr(self.gate == "softplus"):
+                        y = y + bias[x]
+                        sp = y  # softplus(y) = y from 20 on (fla's threshold)
+                        if y < 20.0:
+                            sp = cute.math.log2(1.0 + _exp2(y * LOG2E), fastmath=True) * LN2
+                        y = -ea * sp
+                    if cutlass.const_expr(self.gate == "lower_bound"):
+                        y = self.lower_bound / (1.0 + _exp2(-(ea * (y + bias[x])) * LOG2E))
+                    acc = acc + y
+                    run[i, x] = acc
+            if rg < NRG - 1:
+                sTot4[rg, cg, None].store(run[RG - 1, None].load())
 
         @cute.jit
-        def _gate_join(self, sG, sTot, mGk, b, hv, row0, t):
-            """gk = (the half's running sum, plus half 0's total in half 1) / ln 2 (fla's
-            RCP_LN2 scale after the cumsum): into sG (the log2 cumsum the phases below read) and
-            out to gk, for the scan and the backward."""
-            K = self.K
-            c = t % K
-            hf = t // K
-            off = f32(0.0)
-            if hf == 1:
-                off = sTot[c]
-            for i in cutlass.range_constexpr(BT // 2):
-                r = hf * (BT // 2) + i
-                gv = (sG[r, c] + off) * (1.0 / LN2)
-                sG[r, c] = gv
-                mGk[b, row0 + r, hv, c] = gv
+        def _gate_join(self, sG4, sTot4, run, mGk, b, hv, row0, t):
+            """gk = (the thread's running sums plus the totals of the row groups above it, added in
+            group order 0, 1, ..) / ln 2 (fla's RCP_LN2 scale after the cumsum): into sG (the log2
+            cumsum the phases below read) and out to gk (16-byte rows), for the scan and the
+            backward."""
+            cg = t % CG
+            rg = t // CG
+            rowv = cute.make_layout((self.K // 4, 4), stride=(4, 1))
+            off = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            off.fill(0.0)
+            for j in cutlass.range_constexpr(NRG - 1):
+                if j < rg:  # warp-uniform
+                    tv = sTot4[j, cg, None].load()
+                    for x in cutlass.range_constexpr(4):
+                        off[x] = off[x] + tv[x]
+            gv = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            for i in cutlass.range_constexpr(RG):
+                r = rg * RG + i
+                for x in cutlass.range_constexpr(4):
+                    gv[x] = (run[i, x] + off[x]) * (1.0 / LN2)
+                vec = gv.load()
+                sG4[r, cg, None].store(vec)
+                cute.make_tensor(mGk[b, row0 + r, hv, None].iterator, rowv)[cg, None].store(vec)
 
         @cute.jit
         def _invert_diagonal(self, sL, sX, t):
@@ -404,6 +428,7 @@ def _build_kernel_class():
             io = self.io_dtype
             mQ, mK, mV, mW, mU, mQg, mKg, mAqk, mAkk = (
                 _warp.gmem(t) for t in (mQ, mK, mV, mW, mU, mQg, mKg, mAqk, mAkk))
+            mG, mGk = _warp.gmem(mG), _warp.gmem(mGk)  # the gate's vector rows (16-byte aligned)
             tidx, _, _ = cute.arch.thread_idx()
             t_idx, hv, b = cute.arch.block_idx()
             h = hv // self.gsize
@@ -441,8 +466,11 @@ def _build_kernel_class():
             sX = smem.allocate_tensor(f32, cute.make_layout((BT, BT), stride=(XS, 1)), 1024)
             sT = smem.allocate_tensor(f32, cute.make_layout((3, BC, BC), stride=(BC * BC, BC, 1)), 16)
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
-            sTot = smem.allocate_tensor(f32, cute.make_layout(K), 16)  # the gate's half-chunk sums
             sKE = cute.make_tensor(sQ.iterator, lk)  # bf16(beta k exp2(g)): w's B operand
+            # the gate's row-group totals (phase 0) in L's second half: L is first written in phase
+            # 1; in the recompute its first half is Akk's tile (sAb) and the rest is never used
+            sTot4 = cute.make_tensor(sL.iterator + BT * BT // 2,
+                                     cute.make_layout((NRG - 1, K // 4, 4), stride=(K, 4, 1)))
             # the V ring: over g (dead after phase 3) in the forward; over X (never used) in the
             # recompute, so its first tiles load under phase 0
             ring = sX.iterator if cutlass.const_expr(self.recompute) else sG.iterator
@@ -477,10 +505,11 @@ def _build_kernel_class():
                     groups.append(iv)
             if tidx < BT:
                 sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
-            self._gate_half(mG, mAlog, mBias, sG, sTot, b, hv, row0, tidx)
+            grun = cute.make_rmem_tensor(cute.make_layout((RG, 4), stride=(4, 1)), f32)
+            self._gate_rows(mG, mAlog, mBias, sTot4, grun, b, hv, row0, tidx)
             cute.arch.cp_async_wait_group(len(groups))  # q, k (and Akk); not the V tiles
             cute.arch.sync_threads()
-            self._gate_join(sG, sTot, mGk, b, hv, row0, tidx)
+            self._gate_join(sG4, sTot4, grun, mGk, b, hv, row0, tidx)
             cute.arch.sync_threads()
 
             # 16-byte stores of 8 x 16-bit values: smem / gmem rows of a (rows, 64 or K) tile

@@ -157,6 +157,9 @@ STAGES: tuple[CuteStage, ...] = (
     CuteStage("bwd_wy_dqkg", "bwd_wy_dqkg", ("kda_cute_wy_dqkg",), _probe_wy_dqkg, flags=("want_dAqk",),
               module="wy_dqkg"),
     CuteStage("intra", "bwd_intra", ("kda_cute_intra",), _probe_intra, flags=("fold_dg", "emit_bf16")),
+    # bwd_wy_dqkg + bwd_dAv's dA + intra (fold_dg) in one kernel; where it does not run, the chain
+    # runs the two stages above
+    CuteStage("bwd_chunk", "bwd_chunk", ("kda_cute_bwd_chunk",), _probe_wy_dqkg, flags=("emit_bf16",)),
     CuteStage("l2norm_bwd", "l2norm_bwd", ("kda_cute_l2norm_bwd",), _probe_l2norm_bwd),
 )
 BY_NAME: dict[str, CuteStage] = {s.name: s for s in STAGES}

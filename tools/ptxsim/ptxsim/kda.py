@@ -38,10 +38,11 @@ def ptx_text(compiled) -> str:
     return text
 
 
-def emulate_intra(text, args, emit_bf16=False):
-    """Run kda_cute_intra's PTX `text` on CPU, every CTA, for `args` (bwd_intra's ten tensors: q, k,
-    gk, beta, dAqk, dAkk, dq, dk, db, dg), and return dq, dk, db, dg read back from the emulated
-    global memory (outputs NaN-poisoned first). Every L2 prefetch must stay in its CTA's chunk rows."""
+def emulate_intra(text, args, emit_bf16=False, ctas=None):
+    """Run kda_cute_intra's PTX `text` on CPU, every CTA (or the (chunk, hv, b) CTAs `ctas`), for
+    `args` (bwd_intra's ten tensors: q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg), and return dq, dk,
+    db, dg read back from the emulated global memory (outputs NaN-poisoned first). Every L2
+    prefetch must stay in its CTA's chunk rows."""
     from kda_cute import intra
 
     B, T, _, _ = args[0].shape
@@ -72,10 +73,10 @@ def emulate_intra(text, args, emit_bf16=False):
                 out.append((lo, lo + row))
         return out
 
-    for bz in range(B):
-        for hy in range(HV):
-            for tx in range(T // 64):
-                CTA(prog, gmem, params, (tx, hy, bz), ntid=256, prefetch_ok=chunk_rows(tx, hy, bz)).run()
+    if ctas is None:
+        ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
+    for tx, hy, bz in ctas:
+        CTA(prog, gmem, params, (tx, hy, bz), ntid=256, prefetch_ok=chunk_rows(tx, hy, bz)).run()
     return [readback(gmem, t, base) for t, base in zip(outs, bases[10:], strict=True)]
 
 

@@ -31,6 +31,7 @@ from .stages import (
     RCP_LN2,
     beta_sigmoid_bwd,
     beta_sigmoid_fwd,
+    bwd_chunk,
     bwd_dAv,
     bwd_dhu,
     bwd_intra,
@@ -64,7 +65,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 __all__ = [
     'RCP_LN2', 'ChunkKDAReferenceFunction', 'KDASaved', 'beta_sigmoid_bwd', 'beta_sigmoid_fwd',
-    'bwd_dAv', 'bwd_dhu', 'bwd_intra', 'bwd_prep', 'bwd_wy_dqkg', 'chunk_kda_reference',
+    'bwd_chunk', 'bwd_dAv', 'bwd_dhu', 'bwd_intra', 'bwd_prep', 'bwd_wy_dqkg', 'chunk_kda_reference',
     'chunk_kda_reference_bwd',
     'chunk_kda_reference_fwd', 'chunk_local_cumsum', 'compute_dtype', 'dg_cumsum', 'fwd_h',
     'fwd_intra', 'fwd_o', 'fwd_prep', 'fwd_scan', 'gate_bwd', 'gate_chunk_cumsum', 'gva_sum', 'l2norm_bwd',

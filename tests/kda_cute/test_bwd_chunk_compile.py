@@ -1,0 +1,99 @@
+"""kda_cute_bwd_chunk compiles for sm_90a without a GPU, its PTX equals the two kernels it fuses,
+and is_supported gives reasons (CPU, CI).
+
+The fused kernel is kda_cute_wy_dqkg's class with the intra walk after its epilogue (the hand-over
+in smem instead of global memory). The interpreter (tools/ptxsim: `ptxsim.kda_wy.emulate_bwd_chunk`)
+runs its PTX, and the same inputs go through the two standalone kernels' PTX (kda_cute_wy_dqkg with
+want_dAqk, then kda_cute_intra with fold_dg): dq, dk, dv2, db must be bit for bit theirs, dg equal
+but for the fold's summation order (4 groups of one 16-row block here against 2 of two there).
+Both standalone kernels are checked against float64 and fla's error in their own tests
+(test_wy_dqkg_compile.py, test_intra_compile.py); here each output is also checked against the
+float64 reference of the whole contract (`kda_cute.reference.bwd_chunk`)."""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+C = pytest.importorskip("kda_cute.bwd_chunk")
+ref = pytest.importorskip("kda_cute.reference")
+from kda_cute import intra, wy_dqkg  # noqa: E402
+from ptxsim.kda import emulate_intra  # noqa: E402
+from ptxsim.kda_wy import emulate_bwd_chunk, emulate_wy_dqkg, wy_inputs  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("sm90a")
+
+NAMES = ("dq", "dk", "dv2", "db", "dg")
+SCALE = 128**-0.5
+
+
+def _two_kernels(ptx, a, scale, ctas):
+    """The standalone kernels' PTX on the same inputs: wy_dqkg (want_dAqk), then intra (fold_dg)."""
+    wy = emulate_wy_dqkg(ptx(wy_dqkg.compile_for(*a, scale, want_dAqk=True, keep_ptx=True)), a, ctas=ctas,
+                         want_dAqk=True)
+    dq, dk, dv2, db, dg, dAkk, dAqk = wy
+    ia = [a[0], a[1], a[4], a[5], dAqk, dAkk, dq, dk, db, dg]
+    dq, dk, db, dg = emulate_intra(ptx(intra.compile_for(*ia, fold_dg=True, keep_ptx=True)), ia, ctas=ctas)
+    return dq, dk, dv2, db, dg
+
+
+def _rows(x, ctas):
+    return torch.stack([x[b, 64 * tx:64 * tx + 64, hv] for tx, hv, b in ctas])
+
+
+@pytest.mark.parametrize(
+    "kw, scale, ctas",
+    [
+        (dict(B=1, T=64, H=1, HV=1, V=128, seed=0), SCALE, [(0, 0, 0)]),
+        # fp16, fp32 beta, gates near -2 per step, GVA: the second chunk / value head / batch's CTA
+        (dict(B=2, T=128, H=1, HV=2, V=64, dtype=torch.float16, beta_dtype=torch.float32, gmin=-2.0, seed=5),
+         0.25, [(1, 1, 1)]),
+    ],
+    ids=["bf16-V128", "fp16-gva-strong"],
+)
+def test_ptx_equals_wy_dqkg_then_intra(ptx, kw, scale, ctas):
+    a = wy_inputs(**kw)
+    text = ptx(C.compile_for(*a, scale, keep_ptx=True))
+    entry = text.split(".entry", 1)[1]
+    assert "kda_cute_bwd_chunk" in entry.split("(", 1)[0] and "sm_90a" in text
+    assert ".local" not in entry, "register arrays fell to local memory"
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in entry  # the walk's cross sums
+    assert "mma.sync.aligned.m16n8k16.row.col.f32." in entry  # the WY part
+    assert "prefetch" not in entry  # the walk's inputs are in smem
+    got = emulate_bwd_chunk(text, a, ctas=ctas)
+    two = _two_kernels(ptx, a, scale, ctas)
+    want = ref.bwd_chunk(*[t.double() for t in a], scale)
+    for name, x, y, w in zip(NAMES, got, two, want, strict=True):
+        x, y, w = _rows(x, ctas), _rows(y, ctas), _rows(w, ctas)
+        assert torch.isfinite(x).all(), f"{name}: unwritten (NaN) entries"
+        if name == "dg":
+            assert ref.rel_err(x.double(), y.double()) < 1e-6, name
+        else:
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{name}: not the two kernels'"
+        e, e2 = ref.rel_err(x, w), ref.rel_err(y, w)
+        print(f"{name}: rel err vs float64 {e:.3e} (two kernels {e2:.3e})")
+        assert e <= 1.01 * e2 + 1e-7, (name, e, e2)
+
+
+def test_emit_bf16_writes_the_cast_of_the_fp32_result(ptx):
+    """emit_bf16 (the chain's build when HV == H): dq, dk bit for bit the bf16 cast of the fp32
+    build's; dv2, db, dg the same."""
+    a = wy_inputs(B=1, T=64, H=1, HV=1, V=64, seed=7)
+    f32 = emulate_bwd_chunk(ptx(C.compile_for(*a, SCALE, keep_ptx=True)), a)
+    b16 = emulate_bwd_chunk(ptx(C.compile_for(*a, SCALE, emit_bf16=True, keep_ptx=True)), a, emit_bf16=True)
+    for name, x, y in zip(NAMES, b16, f32, strict=True):
+        if name in ("dq", "dk"):
+            assert x.dtype == torch.bfloat16 and torch.equal(x, y.to(torch.bfloat16)), name
+        else:
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+
+
+def test_is_supported_reasons_on_cpu():
+    a = wy_inputs(B=1, T=64, H=1, HV=2, V=64)
+    assert "CUDA" in C.is_supported(*a, SCALE)
+
+
+def test_unsupported_call_raises():
+    a = wy_inputs(T=96)
+    assert "multiple of the chunk" in C.is_supported(*a, SCALE)
+    with pytest.raises(ValueError, match="unsupported call"):
+        C.bwd_chunk(*a, SCALE)
