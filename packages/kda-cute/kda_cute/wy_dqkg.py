@@ -37,6 +37,14 @@ dAkk = -Y strictly lower. The fp32 outputs leave from the C fragments as 8-byte 
 (the 512-thread cap), 8-16 bytes spilled (want_dAqk: 44 at V = 256, none at V = 128; each spilled
 once per CTA, the V walk being unrolled).
 
+fused=True (the kernel `kda_cute_bwd_chunk`, host side kda_cute.bwd_chunk): the same V walk and
+epilogue, but dq, dk, dg, dAqk, dAkk (fp32) and db go to smem, and the intra walk
+(kda_cute._intra_walk: 4 groups of 128 threads, a thread per key column, one 16-row block per
+group) runs on them in the same CTA, writing the final dq, dk, db and folded dg. Its smem is one
+146.5 KB region (the R_* offsets below: the ring, then the epilogue's tiles, then the walk's
+operands; two extra barriers where a tile takes a dead one's place) plus q, k in the walk's
+padded rows and gk: ~219 KB.
+
 Layouts: global as fla (q, k [B, T, H, K]; v-like [B, T, HV, V]; gk and the K outputs [B, T, HV,
 K]; Akk / dAkk / dAqk [B, T, HV, 64], row = token; h, dh [B, NT, HV, K, V], K-major rows of V).
 smem tiles of 16-bit elements are 64-column rows with the 128-byte swizzle (Swizzle<3,3,3>), read
