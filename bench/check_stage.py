@@ -31,12 +31,20 @@ import torch
 from cuda_clock import median_ms
 
 
+def stage_args(calls, stage) -> tuple:
+    """The stage's captured arguments; bwd_wy_dqkg takes bwd_chunk's (the same contract arguments:
+    with the fused kernel the chain no longer calls bwd_wy_dqkg itself)."""
+    if stage == "bwd_wy_dqkg" and stage not in calls:
+        return calls["bwd_chunk"]
+    return calls[stage]
+
+
 def _fla_dAqk(calls) -> tuple:
     """The dAqk fla's bwd_dAv computes for the intra stage, on a chain call's captured arguments
     (wy_dqkg's, and fwd's Aqk): what kda_cute_wy_dqkg's want_dAqk output replaces."""
     from kda_chain import stages as S
 
-    q, k, _, v_new, _, _, _, _, do, _, _, scale = calls["bwd_wy_dqkg"]
+    q, k, _, v_new, _, _, _, _, do, _, _, scale = stage_args(calls, "bwd_wy_dqkg")
     return (S._fla_bwd_dAv(q, k, v_new, do, calls["fwd"][6], scale)[0],)
 
 
@@ -124,7 +132,7 @@ def _lower(x):
 def ours_fla(stage, calls):
     """(ours, fla's, ours' module) on the stage's captured arguments (`calls`: chain_calls')."""
     c = CHECKS[stage]
-    args = calls[stage]
+    args = stage_args(calls, stage)
     mod = importlib.import_module(f"kda_cute.{c.module}")
     from kda_chain import stages as S
 
@@ -139,7 +147,7 @@ def check(stage, name, calls) -> bool:
     from kda_cute import reference as ref
 
     c = CHECKS[stage]
-    args = calls[stage]
+    args = stage_args(calls, stage)
     run_ours, run_fla, mod = ours_fla(stage, calls)
     orig = mod.alloc
     mod.alloc = lambda shape, dtype, device, fill=None: orig(shape, dtype, device, fill).fill_(float("nan"))
@@ -181,7 +189,7 @@ def timing(stage, name, calls):
     before = CHECKS[stage].ours_before
     extra = ""
     if before is not None:
-        args = calls[stage]
+        args = stage_args(calls, stage)
         t_b = median_ms(lambda: before(*args), inner=3)
         extra = f", ours before {t_b:.3f} ms ({t_b / t_ours:.2f}x)"
     print(

@@ -505,7 +505,7 @@ CUTE_STAGES = {
     for rec in registry.STAGES
 }
 # what the witness expects a chain call to launch (its CLI, `expect`, the pytest marker)
-kda_witness.register_kernels(registry.kernel_stages())
+kda_witness.register_kernels(registry.chain_kernels())
 
 fwd_prep = CUTE_STAGES["fwd_prep"]
 fwd = CUTE_STAGES["fwd"]

@@ -273,9 +273,15 @@ def main(argv=None) -> int:
 
 
 def cute_problem(res: Results) -> str | None:
-    """Why the CuTe stages did not all run their kernels, or None."""
+    """Why the CuTe stages did not all run their kernels, or None. A stage that another computed in
+    its one kernel (registry `replaces`: bwd_chunk's bwd_wy_dqkg and intra) is not expected once
+    that one ran its kernel."""
+    ran = {s for s in CUTE_STAGES if any(r.impl == "cute" for r in res.stage(s))}
+    gone = registry.replaced(ran)
     lines = []
     for stage in CUTE_STAGES:
+        if stage in gone:
+            continue
         rows = res.stage(stage)
         if not rows:
             lines.append(f"  stage {stage}: never called")
@@ -284,7 +290,7 @@ def cute_problem(res: Results) -> str | None:
                 calls = f"{r.calls} call{'s' * (r.calls != 1)}"
                 lines.append(f"  stage {stage} -> {r.impl}: {r.reason} ({calls})")
     try:
-        expect(res, tuple(CUTE_KERNELS))
+        expect(res, tuple(k for k, st in CUTE_KERNELS.items() if st not in gone))
     except WitnessError as e:
         lines.append(str(e))
     return "\n".join(lines) or None

@@ -23,7 +23,7 @@ CASES = {  # (H, HV, V, lengths): fla has autotuned these (H, HV, V) in the chai
 }
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
              output_final_state=True)
-CUTE = ("fwd_prep", "fwd", "b1", "dhu", "bwd_wy_dqkg", "intra")
+CUTE = ("fwd_prep", "fwd", "b1", "dhu", "bwd_chunk")
 _results: dict = {}
 
 

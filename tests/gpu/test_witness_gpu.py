@@ -26,12 +26,12 @@ def _fwd_bwd(B, T, H, HV, K, V, dtype=torch.bfloat16):
     torch.cuda.synchronize()
 
 
-@pytest.mark.witness(kernels=["kda_cute_intra"])
-def test_chain_launches_the_intra_kernel():
+@pytest.mark.witness(kernels=["kda_cute_bwd_chunk"])
+def test_chain_launches_the_fused_backward_kernel():
     _fwd_bwd(B=2, T=1024, H=16, HV=16, K=128, V=128)
 
 
-@pytest.mark.witness(kernels=list(registry.kernel_stages()))
+@pytest.mark.witness(kernels=list(registry.chain_kernels()))
 def test_chain_launches_all_four_cute_kernels():
     """At 256 V tiles every stage with a CuTe kernel takes it (dhu's floor is 32 tiles)."""
     _fwd_bwd(B=4, T=2048, H=16, HV=16, K=128, V=256)
@@ -55,5 +55,5 @@ def test_fallback_carries_its_measured_reason(monkeypatch):
     rows = res.stage("dhu")
     assert rows and all(r.impl == "fla" for r in rows)
     assert all("below the measured floor" in (r.reason or "") for r in rows), [r.reason for r in rows]
-    for st in ("fwd", "b1", "intra"):
+    for st in ("fwd", "b1", "bwd_chunk"):
         assert all(r.impl == "cute" for r in res.stage(st)), (st, [(r.impl, r.reason) for r in res.stage(st)])

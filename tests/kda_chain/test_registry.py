@@ -17,10 +17,12 @@ def test_witness_expects_exactly_the_chains_cute_stages():
     """A CuTe stage in the chain that the witness does not expect could fall back while
     `--require-cute` passes: the expectation must name every one, with its kernels."""
     expected = kda_witness.expected_kernels()
-    assert set(expected.values()) == _chain_cute_stages()
+    gone = registry.replaced()  # computed inside another stage's kernel (bwd_chunk's)
+    assert gone == {"bwd_wy_dqkg", "intra"}
+    assert set(expected.values()) == _chain_cute_stages() - gone
     for rec in registry.STAGES:
         for k in rec.kernels:
-            assert expected.get(k) == rec.name, (k, rec.name, expected)
+            assert expected.get(k) == (None if rec.name in gone else rec.name), (k, rec.name, expected)
 
 
 def test_every_record_has_a_module_with_the_contract():
@@ -57,7 +59,7 @@ def test_is_supported_allocates_nothing_and_takes_meta_tensors():
 def test_registered_kernel_names_must_be_distinguishable():
     with pytest.raises(ValueError, match="substring"):
         kda_witness.register_kernels({"kda_cute_b1": "b1", "kda_cute_b1x": "b1x"})
-    assert kda_witness.expected_kernels() == registry.kernel_stages()  # unchanged by the refusal
+    assert kda_witness.expected_kernels() == registry.chain_kernels()  # unchanged by the refusal
 
 
 def test_gate_decisions_are_cached_per_call_signature(monkeypatch):

@@ -10,6 +10,8 @@ A record says what a stage is to the rest of the project, without importing the 
                 extents, as meta tensors (for `kda_chain.is_supported`: no memory)
     flags       keyword flags the chain passes to the CuTe kernel only (fla's function lacks them)
     module      the kernel module's name when it is not the stage's (default: the stage's)
+    replaces    the stages this one computes in one kernel: when it runs its CuTe kernel, the chain
+                does not call them (they are its "split" fallback), so nothing expects them
 
 Derived from `STAGES`: the chain's stage table (`kda_chain.stages`: CuTe kernel, then fla, then
 the reference), `kda_chain.is_supported`, the witness's expected kernels (registered by the
@@ -36,8 +38,8 @@ import torch
 
 from ._common.support import device_of, device_reason, log_once, probing
 
-__all__ = ["STAGES", "BY_NAME", "CuteStage", "Dims", "kernel_stages", "device_of", "device_reason",
-           "log_once", "probing"]
+__all__ = ["STAGES", "BY_NAME", "CuteStage", "Dims", "chain_kernels", "kernel_stages", "replaced",
+           "device_of", "device_reason", "log_once", "probing"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class CuteStage:
     probe: Callable[[Dims], tuple]
     flags: tuple[str, ...] = ()
     module: str = ""
+    replaces: tuple[str, ...] = ()
 
     @property
     def module_name(self) -> str:
@@ -159,7 +162,8 @@ STAGES: tuple[CuteStage, ...] = (
     CuteStage("intra", "bwd_intra", ("kda_cute_intra",), _probe_intra, flags=("fold_dg", "emit_bf16")),
     # bwd_wy_dqkg + bwd_dAv's dA + intra (fold_dg) in one kernel; where it does not run, the chain
     # runs the two stages above
-    CuteStage("bwd_chunk", "bwd_chunk", ("kda_cute_bwd_chunk",), _probe_wy_dqkg, flags=("emit_bf16",)),
+    CuteStage("bwd_chunk", "bwd_chunk", ("kda_cute_bwd_chunk",), _probe_wy_dqkg, flags=("emit_bf16",),
+              replaces=("bwd_wy_dqkg", "intra")),
     CuteStage("l2norm_bwd", "l2norm_bwd", ("kda_cute_l2norm_bwd",), _probe_l2norm_bwd),
 )
 BY_NAME: dict[str, CuteStage] = {s.name: s for s in STAGES}
@@ -168,3 +172,15 @@ BY_NAME: dict[str, CuteStage] = {s.name: s for s in STAGES}
 def kernel_stages() -> dict[str, str]:
     """Every CuTe kernel name -> the stage it implements."""
     return {k: s.name for s in STAGES for k in s.kernels}
+
+
+def replaced(ran: set[str] | None = None) -> set[str]:
+    """The stages a chain call does not make because a stage in `ran` (default: every stage, as
+    when all take their CuTe kernels) computed them in its one kernel."""
+    return {n for s in STAGES if ran is None or s.name in ran for n in s.replaces}
+
+
+def chain_kernels() -> dict[str, str]:
+    """The CuTe kernels a chain call launches when every stage takes its kernel -> their stages."""
+    gone = replaced()
+    return {k: st for k, st in kernel_stages().items() if st not in gone}
