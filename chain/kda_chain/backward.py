@@ -10,7 +10,9 @@
                                dv = tril(Aqk)^T do computed inside (the fused form: Aqk, no dv)
     bwd_chunk                  kda_cute_bwd_chunk: everything below up to gva_sum in one kernel
                                (dq, dk, dv, db, dg with dg reverse-cumsummed; dq / dk in q's dtype
-                               when HV == H); where it does not run ("split", with its reason):
+                               when HV == H, then also through l2norm_bwd with that flag: the
+                               l2norm_bwd stage is skipped); where it does not run ("split", with
+                               its reason):
       bwd_wy_dqkg              dq, dk, dv, db, dg, dAkk through the WY form and the states; with
                                the CuTe kernel also bwd_dAv's dAqk = scale tril(do v_new^T)
       bwd_dAv                  only where dhu or bwd_wy_dqkg is not the CuTe kernel
@@ -121,9 +123,14 @@ def _backward(do, dht, s: Saved, f: Flags):
     wy_in = [q, k, v, v_new, gk, beta, s.Akk, h, do, dh, dv, f.scale]
     del h, dh, v_new, dv  # (wy_in's references go as soon as their stage is done)
     emit_bf16 = HV == H and q.dtype in _HALF
-    impl, reason = S.bwd_chunk.choose(*wy_in, emit_bf16=emit_bf16)
-    if impl.name == "cute":  # wy_dqkg, dAqk, intra and the dg fold in one kernel
-        dq, dk, dv, db, dg = S.bwd_chunk.run(impl, reason, *wy_in, emit_bf16=emit_bf16)
+    kw = dict(emit_bf16=emit_bf16)
+    if f.use_qk_l2norm_in_kernel and HV == H:  # the L2 norm's backward too, inside
+        kw.update(q_rstd=s.q_rstd, k_rstd=s.k_rstd)
+    impl, reason = S.bwd_chunk.choose(*wy_in, **kw)
+    l2norm_done = False
+    if impl.name == "cute":  # wy_dqkg, dAqk, intra, the dg fold (and l2norm_bwd) in one kernel
+        dq, dk, dv, db, dg = S.bwd_chunk.run(impl, reason, *wy_in, **kw)
+        l2norm_done = "q_rstd" in kw
         wy_in.clear()
     else:
         with S.bwd_chunk.split(reason):
@@ -135,7 +142,7 @@ def _backward(do, dht, s: Saved, f: Flags):
     dA_log = ddt_bias = None
     if f.use_gate_in_kernel:
         dg, dA_log, ddt_bias = S.gate_bwd(s.g, s.A_log, s.dt_bias, dg, f.lower_bound)
-    if f.use_qk_l2norm_in_kernel:
+    if f.use_qk_l2norm_in_kernel and not l2norm_done:
         dq = S.l2norm_bwd(q, s.q_rstd, dq)
         dk = S.l2norm_bwd(k, s.k_rstd, dk)
     if f.use_beta_sigmoid_in_kernel:

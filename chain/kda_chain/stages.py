@@ -441,12 +441,15 @@ def _fla_bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, em
     return f(q=q, k=k, g=gk, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg)
 
 
-def _fla_bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False):
+def _fla_bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
+                   k_rstd=None):
     if emit_bf16:
         raise ValueError("fla's kernels have no emit_bf16; the chain asks only the CuTe kernel")
     dq, dk, dv2, db, dg, dAkk = _fla_bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale)
     dAqk, _ = _fla_bwd_dAv(q, k, v_new, do, Akk, scale)  # (its dA does not read A)
     dq, dk, db, dg = _fla_bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
+    if q_rstd is not None:
+        dq, dk = _fla_l2norm_bwd(q, q_rstd, dq), _fla_l2norm_bwd(k, k_rstd, dk)
     return dq, dk, dv2, db, _fla_dg_cumsum(dg, 64)
 
 

@@ -126,6 +126,45 @@ def test_fwd_prep_computes_qg_only_when_the_cute_fwd_is_planned(monkeypatch):
     assert run()[1:] == (False, None)
 
 
+def test_fused_bwd_chunk_replaces_wy_intra_and_l2norm_bwd(monkeypatch):
+    """With a CuTe bwd_chunk the chain makes one stage call for wy_dqkg, intra, dg_cumsum and (l2norm
+    in the op, HV == H) l2norm_bwd, passing the rstds; the gradients are the split
+    path's. The 'CuTe' implementation here is the reference's bwd_chunk."""
+    from kda_cute import reference as ref
+
+    x = _inputs(T=128, H=2, HV=2)
+    kw = dict(use_gate_in_kernel=True, A_log=x["A_log"], initial_state=x["initial_state"],
+              use_qk_l2norm_in_kernel=True)
+    names = ("q", "k", "v", "g", "beta")
+
+    def grads():
+        for n in names:
+            x[n].grad = None
+        reset_dispatch_log()
+        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        o.sum().backward()
+        return [x[n].grad.clone() for n in names], [c.stage for c in dispatch_log()]
+
+    want, split = grads()
+    assert "bwd_wy_dqkg" in split and "intra" in split and split.count("l2norm_bwd") == 2
+    seen = {}
+
+    def fake_cute(*args, **kwargs):
+        seen.update(kwargs)
+        return ref.bwd_chunk(*args, **kwargs)
+
+    fake = S.Impl("cute", lambda *a, **k: None, fake_cute)
+    monkeypatch.setattr(S.bwd_chunk, "impls", [fake, *S.bwd_chunk.impls[1:]])
+    S.clear_gate_cache()
+    got, stages = grads()
+    assert set(seen) == {"emit_bf16", "q_rstd", "k_rstd"} and seen["emit_bf16"] is False  # float64
+    for st in ("bwd_wy_dqkg", "intra", "dg_cumsum", "l2norm_bwd"):  # (bwd_dAv: dhu's dv on the reference)
+        assert st not in stages, (st, stages)
+    assert stages.count("bwd_chunk") == 1
+    for n, a, b in zip(names, got, want, strict=True):
+        assert rel_err(a, b) < 1e-12, n
+
+
 def test_intra_fold_dg_path_skips_dg_cumsum(monkeypatch):
     """With a CuTe intra the chain asks for fold_dg and drops dg_cumsum; the result is the same.
     The 'CuTe' implementation here is the reference's bwd_intra (which honours fold_dg)."""

@@ -97,3 +97,39 @@ def test_unsupported_call_raises():
     assert "multiple of the chunk" in C.is_supported(*a, SCALE)
     with pytest.raises(ValueError, match="unsupported call"):
         C.bwd_chunk(*a, SCALE)
+
+
+def test_l2norm_build_is_the_l2norm_backward_of_dq_dk(ptx):
+    """With q_rstd, k_rstd (use_qk_l2norm_in_kernel, HV == H) dq, dk leave through fla's l2norm_bwd
+    (dx = dy r - y (dy . y) r, y the normalized q / k the kernel reads): against float64, within 2x
+    of the error of the two-stage path it replaces (the emit_bf16 build's dq / dk, then l2norm_bwd
+    in fp32); dv2, db, dg bit for bit the build without it."""
+    a = wy_inputs(B=1, T=64, H=1, HV=1, V=64, seed=3)
+    g = torch.Generator().manual_seed(9)
+    rstd = [torch.rand(1, 64, 1, generator=g) + 0.5 for _ in range(2)]
+    for i in (0, 1):  # the normalized q, k the chain passes with the flag
+        x = a[i].float()
+        a[i] = (x / x.norm(dim=-1, keepdim=True)).to(a[i].dtype)
+    got = emulate_bwd_chunk(ptx(C.compile_for(*a, SCALE, q_rstd=rstd[0], k_rstd=rstd[1], keep_ptx=True)), a,
+                            rstd=tuple(rstd))
+    b16 = emulate_bwd_chunk(ptx(C.compile_for(*a, SCALE, emit_bf16=True, keep_ptx=True)), a, emit_bf16=True)
+    want = ref.bwd_chunk(*[t.double() for t in a], SCALE, q_rstd=rstd[0].double(), k_rstd=rstd[1].double())
+    for i, name in enumerate(("dq", "dk")):
+        x = got[i]
+        assert x.dtype == a[0].dtype and torch.isfinite(x).all(), name
+        two = ref.l2norm_bwd(a[i].float(), rstd[i], b16[i].float()).to(a[0].dtype)
+        e, e2 = ref.rel_err(x, want[i]), ref.rel_err(two, want[i])
+        print(f"{name}: rel err vs float64 {e:.3e} (emit_bf16 + l2norm_bwd {e2:.3e})")
+        assert e <= 2 * e2 + 1e-7, (name, e, e2)
+    for name, x, y in zip(NAMES[2:], got[2:], b16[2:], strict=True):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+
+
+def test_is_supported_l2norm_reasons():
+    a = wy_inputs(B=1, T=64, H=1, HV=2, V=64)
+    r = torch.ones(1, 64, 1)
+    assert "HV == H" in C._rstd_reason(a[0], a[2], r, r)
+    assert "together" in C._rstd_reason(a[0], a[2], r, None)
+    a = wy_inputs(B=1, T=64, H=1, HV=1, V=64)
+    assert "float32" in C._rstd_reason(a[0], a[2], r.double(), r)
+    assert C._rstd_reason(a[0], a[2], r, r) == "no CUDA device"  # the shapes pass; then the layout check

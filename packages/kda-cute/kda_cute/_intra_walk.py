@@ -7,8 +7,9 @@ What it computes and how (the thread map, the anchored tf32 cross sums, the diag
 fold) is in kda_cute.intra's module docstring. The caller provides, in smem: q, k (io dtype, row
 stride `self.qs`), g (fp32, `self.gs`), dAqk, dAkk (fp32, `self.as_`), beta (fp32 [64]), the db
 partials [64, K / 32] and the per-warp staging [warps, 8, 33] (fp32); and, per thread, the column
-views of dq / dk / dg in (gmem or smem) and out (gmem) at its column d = tidx % K, db in and out
-as [64] views. The kernel class supplies K, io_dtype, fold_dg, emit_bf16, pf and the thread map
+views of dq / dk / dg in (gmem or smem) and out (gmem, or dq / dk in place of their fp32 smem
+inputs) at its column d = tidx % K, each out in its own dtype, db in and out as [64] views. The
+kernel class supplies K, io_dtype, fold_dg, pf and the thread map
 (ngrp groups of K threads, bpg 16-row blocks each, wpg warps per group).
 """
 
@@ -91,7 +92,6 @@ def _build_walk_class():
             into L2 ahead of the walk), or 0 when they live in smem."""
             K = self.K
             io = self.io_dtype
-            out_qk = io if self.emit_bf16 else f32
             QS, GS, AS = self.qs, self.gs, self.as_
             # 4-wide views along the contiguous mode (one LDS.128 each)
             v4 = cute.make_layout((BT, BT // 4, 4), stride=(AS, 4, 1))
@@ -259,8 +259,8 @@ def _build_walk_class():
                     dkt_r = dkt[r]
                     dk_o = dk2 + dkt_r + dki
                     dg_o = qr * a_q + (dk2 - dkt_r) * ks[r] + dgi
-                    cDq[row] = dq_o.to(out_qk)
-                    cDk[row] = dk_o.to(out_qk)
+                    cDq[row] = dq_o.to(cDq.element_type)  # (io with emit_bf16, fp32 in smem or not)
+                    cDk[row] = dk_o.to(cDk.element_type)
                     if cutlass.const_expr(self.fold_dg):
                         run = run + dg_o
                         cDg[row] = run  # final in the last group; the others add `add` below

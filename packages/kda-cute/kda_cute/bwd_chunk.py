@@ -10,6 +10,10 @@ factors (gk, Akk), every gradient of the chunk-parallel backward:
     the intra-chunk part (kda_cute.intra's contract, fold_dg): dq, dk, db, dg += the terms
         through Aqk and Akk; dg reverse-cumsummed within the chunk; dq / dk in q's dtype with
         emit_bf16 (HV == H), else fp32 (the chain sums them over the GVA group)
+    with q_rstd, k_rstd (use_qk_l2norm_in_kernel, HV == H): dq, dk through the L2 norm's backward
+        (fla's l2norm_bwd: dx = dy r - y (dy . y) r, y the normalized q / k this kernel reads), so
+        they are the gradients of the raw q / k, in q's dtype; the walk leaves them in smem (fp32)
+        and a row pass (4 rows per warp) finishes them
 
 The kernel is kda_cute_wy_dqkg's class compiled with `fused=True` (kda_cute.wy_dqkg's docstring
 has its CTA decomposition: 512 threads, the V walk in 64-wide tiles on bf16 mma.sync, the
@@ -51,20 +55,36 @@ BT = _wy.BT
 _cache = CallCache("kda_cute_bwd_chunk")
 
 
-def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False) -> str | None:
+def _rstd_reason(q, v, q_rstd, k_rstd) -> str | None:
+    if (q_rstd is None) != (k_rstd is None):
+        return "q_rstd and k_rstd go together"
+    if q_rstd is None:
+        return None
+    if v.shape[2] != q.shape[2]:
+        return f"the L2 norm's backward inside needs HV == H (got HV={v.shape[2]}, H={q.shape[2]})"
+    for name, t in (("q_rstd", q_rstd), ("k_rstd", k_rstd)):
+        if tuple(t.shape) != tuple(q.shape[:3]) or t.dtype != torch.float32:
+            return f"{name} must be {tuple(q.shape[:3])} float32; got {tuple(t.shape)} {t.dtype}"
+    return _warp.layout_reason(("q_rstd", "k_rstd"), (q_rstd, k_rstd))
+
+
+def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
+                 k_rstd=None) -> str | None:
     """None when `bwd_chunk` runs the CuTe kernel on these arguments, else the reason it would not."""
-    return _wy._hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
+    return (_wy._hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
+            or _rstd_reason(q, v, q_rstd, k_rstd))
 
 
-def _config(q, v, beta, scale, emit_bf16) -> _wy.WyDqkgConfig:
-    return dataclasses.replace(_wy._config(q, v, beta, scale, True), fused=True, emit_bf16=bool(emit_bf16))
+def _config(q, v, beta, scale, emit_bf16, l2norm) -> _wy.WyDqkgConfig:
+    return dataclasses.replace(_wy._config(q, v, beta, scale, True), fused=True, emit_bf16=bool(emit_bf16),
+                               l2norm=bool(l2norm))
 
 
-def _outputs(q, v, emit_bf16, device):
-    """dq, dk (q's dtype with emit_bf16, else fp32), dv2, db, dg: fresh."""
+def _outputs(q, v, emit_bf16, device, l2norm=False):
+    """dq, dk (q's dtype with emit_bf16 or l2norm, else fp32), dv2, db, dg: fresh."""
     B, T, HV, V = v.shape
     K = q.shape[3]
-    qk = q.dtype if emit_bf16 else torch.float32
+    qk = q.dtype if emit_bf16 or l2norm else torch.float32
     return (
         alloc((B, T, HV, K), qk, device),  # dq
         alloc((B, T, HV, K), qk, device),  # dk
@@ -74,34 +94,40 @@ def _outputs(q, v, emit_bf16, device):
     )
 
 
-def _kernel_args(inputs, outs):
-    """The class's eighteen tensors: the eleven inputs, dq, dk, dv2, db, dg, then dg's storage twice
-    in the dAkk / dAqk slots (the fused kernel has neither output and never indexes them)."""
-    return (*inputs, *outs, outs[4], outs[4])
+def _kernel_args(inputs, outs, q_rstd=None, k_rstd=None):
+    """The class's eighteen tensors: the eleven inputs, dq, dk, dv2, db, dg, then q_rstd, k_rstd in
+    the dAkk / dAqk slots (without them dg's storage stands in: never read)."""
+    if q_rstd is None:
+        q_rstd = k_rstd = outs[4]
+    return (*inputs, *outs, q_rstd, k_rstd)
 
 
-def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, keep_ptx=False):
+def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
+                k_rstd=None, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
-    cfg = _config(q, v, beta, scale, emit_bf16)
-    outs = _outputs(q, v, emit_bf16, q.device)
-    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs)
+    l2 = q_rstd is not None
+    cfg = _config(q, v, beta, scale, emit_bf16, l2)
+    outs = _outputs(q, v, emit_bf16, q.device, l2)
+    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs, q_rstd, k_rstd)
     build = lambda views, stream, opts: _wy._build(views, stream, cfg, opts)  # noqa: E731
     return _warp.compile_only(build, args, keep_ptx)
 
 
-def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False):
-    """wy_dqkg (want_dAqk) then intra (fold_dg) in one kernel -> (dq, dk, dv2, db, dg); fresh outputs."""
-    reason = is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16)
+def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None, k_rstd=None):
+    """wy_dqkg (want_dAqk) then intra (fold_dg) in one kernel -> (dq, dk, dv2, db, dg); with q_rstd,
+    k_rstd also l2norm_bwd of dq, dk. Fresh outputs."""
+    reason = is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd)
     if reason is not None:
         raise ValueError(f"kda_cute.bwd_chunk.bwd_chunk: unsupported call: {reason}")
-    return launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16)
+    return launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd)
 
 
-def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False):
+def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None, k_rstd=None):
     """`bwd_chunk` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    outs = _outputs(q, v, emit_bf16, q.device)
-    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs)
-    cfg = _config(q, v, beta, scale, emit_bf16)
+    l2 = q_rstd is not None
+    outs = _outputs(q, v, emit_bf16, q.device, l2)
+    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs, q_rstd, k_rstd)
+    cfg = _config(q, v, beta, scale, emit_bf16, l2)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _wy._build(views, stream, cfg, opts))
     return outs

@@ -111,7 +111,7 @@ class KdaWyDqkg:
     """See the module docstring. io: the 16-bit operand dtype; beta_dtype: beta's."""
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_dAqk: bool,
-                 fused: bool = False, emit_bf16: bool = False):
+                 fused: bool = False, emit_bf16: bool = False, l2norm: bool = False):
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -120,6 +120,7 @@ class KdaWyDqkg:
         self.gsize = gsize
         self.scale = float(scale)
         self.fused = fused  # kda_cute_bwd_chunk: the intra walk follows in the same CTA
+        self.l2norm = l2norm  # fused: dq, dk through q / k's L2 norm backward before they leave
         self.want_dAqk = want_dAqk or fused
         # the intra walk's parameters (kda_cute._intra_walk): 4 groups of K threads, one 16-row
         # block each; its smem operands in this kernel's strides
@@ -181,9 +182,9 @@ def _build_kernel_class():
             B = cute.size(mG, mode=[0])
             T = cute.size(mG, mode=[1])
             HV = cute.size(mG, mode=[2])
-            if cutlass.const_expr(self.fused):  # (mDA, mDAq: the host passes dg's storage, unused)
+            if cutlass.const_expr(self.fused):  # mDA, mDAq: q_rstd, k_rstd (l2norm), else dg stand-ins
                 kernel = self.kda_cute_bwd_chunk(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk,
-                                                 mDv2, mDb, mDg)
+                                                 mDv2, mDb, mDg, mDA, mDAq)
             else:
                 kernel = self.kda_cute_wy_dqkg(
                     mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA, mDAq
@@ -203,10 +204,36 @@ def _build_kernel_class():
         def kda_cute_bwd_chunk(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mVn: cute.Tensor,
                                mG: cute.Tensor, mBeta: cute.Tensor, mA: cute.Tensor, mH: cute.Tensor,
                                mDo: cute.Tensor, mDh: cute.Tensor, mDv: cute.Tensor, mDq: cute.Tensor,
-                               mDk: cute.Tensor, mDv2: cute.Tensor, mDb: cute.Tensor, mDg: cute.Tensor):
-            """fused: dq, dk (io with emit_bf16, else fp32), dv2, db, dg folded (the walk's outputs);
-            no dAkk / dAqk leave the CTA (dg stands in for their tensors: never indexed)."""
-            self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDg, mDg)
+                               mDk: cute.Tensor, mDv2: cute.Tensor, mDb: cute.Tensor, mDg: cute.Tensor,
+                               mQr: cute.Tensor, mKr: cute.Tensor):
+            """fused: dq, dk (io with emit_bf16 or l2norm, else fp32), dv2, db, dg folded; no dAkk /
+            dAqk leave the CTA. mQr, mKr: q / k's rstd [B, T, H] fp32 with l2norm (else stand-ins,
+            never read); they take the dAkk / dAqk slots of the body."""
+            self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mQr, mKr)
+
+        @cute.jit
+        def _l2norm_rows(self, sX, sY, mR, mO, b, h, hv, row0, tidx):
+            """q / k's L2-norm backward (fla's l2norm_bwd) of the chunk's rows, 4 per warp, a lane
+            per 4 columns: dx = dy r - y (dy . y) r from dy (sX, fp32) and y (sY, the normalized
+            q / k the kernel used), r the rstd the forward saved; out in the io dtype."""
+            K = self.K
+            lane = tidx % 32
+            wid = tidx // 32
+            RW = BT // (THREADS // 32)  # rows per warp
+            sX4 = cute.make_tensor(sX.iterator, cute.make_layout((BT, K // 4, 4), stride=(K, 4, 1)))
+            sY4 = cute.make_tensor(sY.iterator, cute.make_layout((BT, K // 4, 4), stride=(self.qs, 4, 1)))
+            for i in cutlass.range_constexpr(RW):
+                r = wid * RW + i
+                dy = sX4[r, lane, None].load()
+                y = sY4[r, lane, None].load().to(f32)
+                dot = f32(0.0)
+                for j in cutlass.range_constexpr(4):
+                    dot = dot + dy[j] * y[j]
+                for off in (16, 8, 4, 2, 1):
+                    dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=off)
+                rs = f32(mR[b, row0 + r, h])
+                dx = dy * rs - y * (dot * rs)
+                cute.local_tile(mO[b, row0 + r, hv, None], (4,), (lane,)).store(dx.to(self.io_dtype))
 
         @cute.jit
         def _body(
@@ -697,8 +724,14 @@ def _build_kernel_class():
                 ins = [cute.make_tensor(t.iterator + d, scol) for t in (sDqS, sDkS, sDgS)]
                 gcol = cute.make_layout(BT, stride=cute.size(mG, mode=[2]) * K)
                 outs = [cute.make_tensor(m[b, row0, hv, None].iterator + d, gcol) for m in (mDq, mDk, mDg)]
+                if cutlass.const_expr(self.l2norm):  # dq, dk stay in smem (fp32, in place) for the rows
+                    outs[0], outs[1] = ins[0], ins[1]
                 gDb = cute.local_tile(mDb[b, None, hv], (BT,), (t_idx,))
                 self.intra_walk(tidx, sQ, sK, sG, sAqS, sAkS, sBeta, sDbp, sStage, *ins, *outs, sDbi, gDb, 0)
+                if cutlass.const_expr(self.l2norm):
+                    cute.arch.sync_threads()  # every column of dq, dk is final
+                    self._l2norm_rows(sDqS, sQ, mDA, mDq, b, h, hv, row0, tidx)  # (mDA, mDAq: the rstds)
+                    self._l2norm_rows(sDkS, sK, mDAq, mDk, b, h, hv, row0, tidx)
             else:
                 cute.copy(st_c, tsc.retile(acc_a), tsc.partition_D(gDA))
 
@@ -754,6 +787,7 @@ class WyDqkgConfig:
     arch: str
     fused: bool = False  # kda_cute_bwd_chunk (kda_cute.bwd_chunk): the intra walk in the same CTA
     emit_bf16: bool = False  # fused: dq, dk out in the io dtype
+    l2norm: bool = False  # fused: dq, dk through q / k's L2-norm backward (io dtype)
 
 
 def _config(q, v, beta, scale, want_dAqk) -> WyDqkgConfig:
@@ -789,7 +823,7 @@ def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
 
     kern = _kernel_class()(
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
-        cfg.want_dAqk, cfg.fused, cfg.emit_bf16,
+        cfg.want_dAqk, cfg.fused, cfg.emit_bf16, cfg.l2norm,
     )
     return cute.compile(kern, *views, stream, options=options)
 

@@ -71,18 +71,19 @@ def wy_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtyp
     return [q, k, v, v_new, gk.contiguous(), beta, Akk, h, do, dh, dv]
 
 
-def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None):
+def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None):
     """Run kda_cute_bwd_chunk's PTX (kda_cute.bwd_chunk: wy_dqkg's class with fused=True) on CPU
-    for the same eleven `args`: returns (dq, dk, dv2, db, dg), NaN-poisoned first. The kernel
-    entry takes the five outputs only (no dAkk / dAqk slots). `ctas` as in emulate_wy_dqkg."""
+    for the same eleven `args` (and `rstd` = (q_rstd, k_rstd) for the l2norm build): returns
+    (dq, dk, dv2, db, dg), NaN-poisoned first. `ctas` as in emulate_wy_dqkg."""
     from kda_cute import bwd_chunk
 
     q, v = args[0], args[2]
     B, T, HV, _ = v.shape
     prog = wy_program(text)
-    outs = bwd_chunk._outputs(q, v, emit_bf16, "cpu")
+    outs = bwd_chunk._outputs(q, v, emit_bf16, "cpu", rstd is not None)
     for t in outs:
         t.fill_(float("nan"))
     if ctas is None:
         ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
-    return run_grid(prog, [*args, *outs], ctas, WyCTA, THREADS)[len(args):]
+    tensors = bwd_chunk._kernel_args(args, outs, *(rstd or (None, None)))
+    return run_grid(prog, list(tensors), ctas, WyCTA, THREADS)[len(args):len(args) + 5]

@@ -726,12 +726,17 @@ def bwd_chunk(
     dv: torch.Tensor,
     scale: float,
     emit_bf16: bool = False,
+    q_rstd: torch.Tensor | None = None,
+    k_rstd: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The whole chunk-parallel backward after the scans (kda_cute_bwd_chunk does it in one
-    kernel): bwd_wy_dqkg, bwd_dAv's dA, then bwd_intra with fold_dg. Returns dq, dk (q's dtype with
-    emit_bf16, else the compute dtype), dv2, db, dg (reverse-cumsummed within each chunk)."""
+    kernel): bwd_wy_dqkg, bwd_dAv's dA, then bwd_intra with fold_dg, and with q_rstd, k_rstd
+    l2norm_bwd of dq, dk (q, k being the normalized ones). Returns dq, dk (q's dtype with emit_bf16
+    or the rstds, else the compute dtype), dv2, db, dg (reverse-cumsummed within each chunk)."""
     dq, dk, dv2, db, dg, dAkk = bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale)
     dAqk = bwd_dAv(v_new, do, torch.zeros_like(Akk), scale)[0]
     dq, dk, db, dg = bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=True,
-                               emit_bf16=emit_bf16)
+                               emit_bf16=emit_bf16 and q_rstd is None)
+    if q_rstd is not None:
+        dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
     return dq, dk, dv2, db, dg
