@@ -39,6 +39,13 @@ def stage_args(calls, stage) -> tuple:
     return calls[stage]
 
 
+def stage_kwargs(calls, stage) -> dict:
+    """The captured keyword arguments that are the contract's (not the CuTe-only flags: those are
+    the check's own `flags`), e.g. bwd_chunk's q_rstd / k_rstd with the L2 norm in the op."""
+    kw = calls.get((stage, "kw"), {})
+    return {k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}
+
+
 def _fla_dAqk(calls) -> tuple:
     """The dAqk fla's bwd_dAv computes for the intra stage, on a chain call's captured arguments
     (wy_dqkg's, and fwd's Aqk): what kda_cute_wy_dqkg's want_dAqk output replaces."""
@@ -48,21 +55,25 @@ def _fla_dAqk(calls) -> tuple:
     return (S._fla_bwd_dAv(q, k, v_new, do, calls["fwd"][6], scale)[0],)
 
 
-def _fla_bwd_chunk(*args) -> tuple:
-    """fla's four kernels for bwd_chunk's contract, dq / dk in q's dtype (emit_bf16)."""
+def _fla_bwd_chunk(*args, **kw) -> tuple:
+    """fla's kernels for bwd_chunk's contract (its l2norm_bwd too with the rstds), dq / dk in q's
+    dtype (emit_bf16)."""
     from kda_chain import stages as S
 
-    dq, dk, dv2, db, dg = S._fla_bwd_chunk(*args)
+    dq, dk, dv2, db, dg = S._fla_bwd_chunk(*args, **kw)
     return dq.to(args[0].dtype), dk.to(args[0].dtype), dv2, db, dg
 
 
-def _split_bwd_chunk(*args) -> tuple:
-    """Our two-kernel path for bwd_chunk's contract (what the chain ran before the fused kernel)."""
-    from kda_cute import intra, wy_dqkg
+def _split_bwd_chunk(*args, q_rstd=None, k_rstd=None) -> tuple:
+    """Our previous path for bwd_chunk's contract: kda_cute_wy_dqkg, kda_cute_intra, and with the
+    rstds kda_cute_l2norm_bwd twice."""
+    from kda_cute import intra, l2norm_bwd, wy_dqkg
 
     q, k, _, _, gk, beta = args[:6]
     dq, dk, dv2, db, dg, dAkk, dAqk = wy_dqkg.bwd_wy_dqkg(*args, want_dAqk=True)
     dq, dk, db, dg = intra.bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=True, emit_bf16=True)
+    if q_rstd is not None:
+        dq, dk = l2norm_bwd.l2norm_bwd(q, q_rstd, dq), l2norm_bwd.l2norm_bwd(k, k_rstd, dk)
     return dq, dk, dv2, db, dg
 
 
@@ -113,7 +124,9 @@ def chain_calls(B, T, H, HV, V, dtype=torch.bfloat16, seed=0, gate="softplus") -
         o, _ = chunk_kda(q, k, v, raw, beta.sigmoid(), use_qk_l2norm_in_kernel=True, **kw)
         o.backward(torch.randn_like(o))
     torch.cuda.synchronize()
-    return {name: a for name, a, _ in calls}
+    out: dict = {name: a for name, a, _ in calls}
+    out.update({(name, "kw"): kw for name, _, kw in calls})  # keyword arguments (tensors among them)
+    return out
 
 
 def rel(a, b) -> float:
@@ -136,11 +149,13 @@ def ours_fla(stage, calls):
     mod = importlib.import_module(f"kda_cute.{c.module}")
     from kda_chain import stages as S
 
+    kw = stage_kwargs(calls, stage)
+
     def fla():
-        out = (getattr(S, c.fla) if isinstance(c.fla, str) else c.fla)(*args)
+        out = (getattr(S, c.fla) if isinstance(c.fla, str) else c.fla)(*args, **kw)
         return out if c.fla_extra is None else (*out, *c.fla_extra(calls))
 
-    return (lambda: getattr(mod, c.contract)(*args, **dict(c.flags))), fla, mod
+    return (lambda: getattr(mod, c.contract)(*args, **dict(c.flags), **kw)), fla, mod
 
 
 def check(stage, name, calls) -> bool:
@@ -157,8 +172,12 @@ def check(stage, name, calls) -> bool:
         mod.alloc = orig
     fla = run_fla()
     # batch 0 of the [B, T, ...] tensors (A_log, dt_bias are per head: whole)
-    b0 = [(a[:1] if a.dim() >= 3 else a).double() if isinstance(a, torch.Tensor) else a for a in args]
-    want = getattr(ref, c.contract)(*b0, **dict(c.flags))
+    def first(a):
+        return (a[:1] if a.dim() >= 3 else a).double() if isinstance(a, torch.Tensor) else a
+
+    b0 = [first(a) for a in args]
+    kw0 = {k: first(v) for k, v in stage_kwargs(calls, stage).items()}
+    want = getattr(ref, c.contract)(*b0, **dict(c.flags), **kw0)
     ok = True
     cells = []
     for n, o, f, w in zip(c.names, ours, fla, want, strict=True):
@@ -189,8 +208,8 @@ def timing(stage, name, calls):
     before = CHECKS[stage].ours_before
     extra = ""
     if before is not None:
-        args = stage_args(calls, stage)
-        t_b = median_ms(lambda: before(*args), inner=3)
+        args, kw = stage_args(calls, stage), stage_kwargs(calls, stage)
+        t_b = median_ms(lambda: before(*args, **kw), inner=3)
         extra = f", ours before {t_b:.3f} ms ({t_b / t_ours:.2f}x)"
     print(
         f"TIME {stage} {name}: ours {t_ours:.3f} ms, fla {t_fla:.3f} ms, fla/ours {t_fla / t_ours:.2f}x"
