@@ -5,8 +5,8 @@ arguments of a chain call:
     fwd_prep      kda_cute.prep (kernel kda_cute_prep) vs kda_gate_chunk_cumsum + chunk_kda_fwd_intra
     bwd_prep      kda_cute.bwd_prep (kernel kda_cute_bwd_prep) vs kda_gate_chunk_cumsum + recompute_w_u
     bwd_chunk     kda_cute.bwd_chunk (kernel kda_cute_bwd_chunk) vs wy_dqkg + bwd_dAv + bwd_intra +
-                  the dg cumsum (dq / dk rounded to q's dtype, as the chain asks ours: emit_bf16);
-                  timed also against our two-kernel path (kda_cute_wy_dqkg + kda_cute_intra)
+                  the dg cumsum (+ l2norm_bwd), with the chain's flags (emit_bf16, the rstds where
+                  HV == H); timed also against our previous path (wy_dqkg, intra, l2norm_bwd)
 
 Per shape: one fwd+bwd of kda_chain.chunk_kda (gate + l2norm in the op; A_log up to log 16, so
 gates reach ~-10 per step) runs under `kda_chain.stages.capture()`; the stage's arguments are
@@ -40,10 +40,16 @@ def stage_args(calls, stage) -> tuple:
 
 
 def stage_kwargs(calls, stage) -> dict:
-    """The captured keyword arguments that are the contract's (not the CuTe-only flags: those are
-    the check's own `flags`), e.g. bwd_chunk's q_rstd / k_rstd with the L2 norm in the op."""
+    """The captured keyword arguments that are the contract's (not the CuTe-only flags), e.g.
+    bwd_chunk's q_rstd / k_rstd with the L2 norm in the op."""
     kw = calls.get((stage, "kw"), {})
     return {k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}
+
+
+def cute_flags(calls, stage) -> dict:
+    """The CuTe-only flags as the chain passed them (captured), else the check's own."""
+    kw = calls.get((stage, "kw"), {})
+    return {k: kw.get(k, v) for k, v in CHECKS[stage].flags}
 
 
 def _fla_dAqk(calls) -> tuple:
@@ -55,23 +61,26 @@ def _fla_dAqk(calls) -> tuple:
     return (S._fla_bwd_dAv(q, k, v_new, do, calls["fwd"][6], scale)[0],)
 
 
-def _fla_bwd_chunk(*args, **kw) -> tuple:
-    """fla's kernels for bwd_chunk's contract (its l2norm_bwd too with the rstds), dq / dk in q's
-    dtype (emit_bf16)."""
+def _fla_bwd_chunk(*args, emit_bf16=False, **kw) -> tuple:
+    """fla's kernels for bwd_chunk's contract (its l2norm_bwd too with the rstds), dq / dk rounded
+    to q's dtype where ours emits them in it."""
     from kda_chain import stages as S
 
     dq, dk, dv2, db, dg = S._fla_bwd_chunk(*args, **kw)
-    return dq.to(args[0].dtype), dk.to(args[0].dtype), dv2, db, dg
+    if emit_bf16:
+        dq, dk = dq.to(args[0].dtype), dk.to(args[0].dtype)
+    return dq, dk, dv2, db, dg
 
 
-def _split_bwd_chunk(*args, q_rstd=None, k_rstd=None) -> tuple:
+def _split_bwd_chunk(*args, emit_bf16=False, q_rstd=None, k_rstd=None) -> tuple:
     """Our previous path for bwd_chunk's contract: kda_cute_wy_dqkg, kda_cute_intra, and with the
     rstds kda_cute_l2norm_bwd twice."""
     from kda_cute import intra, l2norm_bwd, wy_dqkg
 
     q, k, _, _, gk, beta = args[:6]
     dq, dk, dv2, db, dg, dAkk, dAqk = wy_dqkg.bwd_wy_dqkg(*args, want_dAqk=True)
-    dq, dk, db, dg = intra.bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=True, emit_bf16=True)
+    dq, dk, db, dg = intra.bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=True,
+                                     emit_bf16=emit_bf16 or q_rstd is not None)
     if q_rstd is not None:
         dq, dk = l2norm_bwd.l2norm_bwd(q, q_rstd, dq), l2norm_bwd.l2norm_bwd(k, k_rstd, dk)
     return dq, dk, dv2, db, dg
@@ -81,7 +90,8 @@ def _split_bwd_chunk(*args, q_rstd=None, k_rstd=None) -> tuple:
 class StageCheck:
     module: str  # kda_cute.<module>
     contract: str  # the function in that module and in kda_cute.reference
-    fla: str | Callable  # its fla adapter in kda_chain.stages (by name), or the function
+    fla: str | Callable  # its fla adapter in kda_chain.stages (by name), or a function of (args,
+    # the chain's flags and keyword tensors)
     names: tuple[str, ...]
     flags: tuple[tuple[str, object], ...] = ()  # the keyword flags the chain passes the CuTe kernel
     fla_extra: Callable | None = None  # calls -> the outputs those flags add, as fla computes them
@@ -149,13 +159,16 @@ def ours_fla(stage, calls):
     mod = importlib.import_module(f"kda_cute.{c.module}")
     from kda_chain import stages as S
 
-    kw = stage_kwargs(calls, stage)
+    kw, flags = stage_kwargs(calls, stage), cute_flags(calls, stage)
 
     def fla():
-        out = (getattr(S, c.fla) if isinstance(c.fla, str) else c.fla)(*args, **kw)
+        if isinstance(c.fla, str):
+            out = getattr(S, c.fla)(*args, **kw)
+        else:
+            out = c.fla(*args, **flags, **kw)
         return out if c.fla_extra is None else (*out, *c.fla_extra(calls))
 
-    return (lambda: getattr(mod, c.contract)(*args, **dict(c.flags), **kw)), fla, mod
+    return (lambda: getattr(mod, c.contract)(*args, **flags, **kw)), fla, mod
 
 
 def check(stage, name, calls) -> bool:
@@ -177,7 +190,7 @@ def check(stage, name, calls) -> bool:
 
     b0 = [first(a) for a in args]
     kw0 = {k: first(v) for k, v in stage_kwargs(calls, stage).items()}
-    want = getattr(ref, c.contract)(*b0, **dict(c.flags), **kw0)
+    want = getattr(ref, c.contract)(*b0, **cute_flags(calls, stage), **kw0)
     ok = True
     cells = []
     for n, o, f, w in zip(c.names, ours, fla, want, strict=True):
@@ -208,7 +221,7 @@ def timing(stage, name, calls):
     before = CHECKS[stage].ours_before
     extra = ""
     if before is not None:
-        args, kw = stage_args(calls, stage), stage_kwargs(calls, stage)
+        args, kw = stage_args(calls, stage), {**cute_flags(calls, stage), **stage_kwargs(calls, stage)}
         t_b = median_ms(lambda: before(*args, **kw), inner=3)
         extra = f", ours before {t_b:.3f} ms ({t_b / t_ours:.2f}x)"
     print(

@@ -135,6 +135,7 @@ def _backward(do, dht, s: Saved, f: Flags):
     else:
         with S.bwd_chunk.split(reason):
             dq, dk, dv, db, dg = _wy_then_intra(wy_in, dAqk, s, f, emit_bf16)
+    del dAqk  # (bwd_dAv's, where dhu was not the CuTe kernel)
 
     if HV > H:
         dq = S.gva_sum(dq, H)

@@ -32,7 +32,7 @@ def test_chain_launches_the_fused_backward_kernel():
 
 
 @pytest.mark.witness(kernels=list(registry.chain_kernels()))
-def test_chain_launches_all_four_cute_kernels():
+def test_chain_launches_every_cute_kernel():
     """At 256 V tiles every stage with a CuTe kernel takes it (dhu's floor is 32 tiles)."""
     _fwd_bwd(B=4, T=2048, H=16, HV=16, K=128, V=256)
 

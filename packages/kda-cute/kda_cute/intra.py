@@ -83,8 +83,7 @@ _cache = CallCache("intra")
 class KdaIntraBwd:
     """See the module docstring. io_dtype: q/k dtype; beta_dtype: beta's dtype."""
 
-    def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, emit_bf16: bool,
-                 pf: int = 2):
+    def __init__(self, io_dtype, beta_dtype, K: int, gsize: int, fold_dg: bool, pf: int = 2):
         self.pf = pf  # rows of incoming dq/dk/dg prefetched ahead of the diagonal walk
         # smem row strides (elements), padded: conflict-free / 2-way mma fragment loads
         self.as_ = BT + 4  # dA rows (fp32)
@@ -94,8 +93,7 @@ class KdaIntraBwd:
         self.beta_dtype = beta_dtype
         self.K = K
         self.gsize = gsize
-        self.fold_dg = fold_dg
-        self.emit_bf16 = emit_bf16
+        self.fold_dg = fold_dg  # (emit_bf16 is the outputs' dtype: the walk writes each in its own)
         self.ngrp = THREADS // K  # thread groups, one column per thread
         self.bpg = NBLK // self.ngrp  # 16-row blocks per group
         self.wpg = K // 32  # warps per group
@@ -363,7 +361,7 @@ def _build(views, stream, cfg: IntraConfig, options: str = ""):
 
     kern = _kernel_class()(
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.HV // cfg.H, cfg.fold_dg,
-        cfg.emit_bf16, cfg.pf
+        cfg.pf,
     )
     opts = f"--ptxas-options --maxrregcount={MAXREG} {options}".strip()
     return cute.compile(kern, *views, stream, options=opts)

@@ -10,8 +10,10 @@ A record says what a stage is to the rest of the project, without importing the 
                 extents, as meta tensors (for `kda_chain.is_supported`: no memory)
     flags       keyword flags the chain passes to the CuTe kernel only (fla's function lacks them)
     module      the kernel module's name when it is not the stage's (default: the stage's)
-    replaces    the stages this one computes in one kernel: when it runs its CuTe kernel, the chain
-                does not call them (they are its "split" fallback), so nothing expects them
+    replaces    the stages this one can compute in its one kernel: once it ran its CuTe kernel, the
+                chain may not call them (bwd_wy_dqkg and intra are its "split" fallback; l2norm_bwd
+                is folded in where HV == H), so they are not expected; one that is called must still
+                run its CuTe kernel
 
 Derived from `STAGES`: the chain's stage table (`kda_chain.stages`: CuTe kernel, then fla, then
 the reference), `kda_chain.is_supported`, the witness's expected kernels (registered by the
@@ -163,7 +165,7 @@ STAGES: tuple[CuteStage, ...] = (
     # bwd_wy_dqkg + bwd_dAv's dA + intra (fold_dg) in one kernel; where it does not run, the chain
     # runs the two stages above
     CuteStage("bwd_chunk", "bwd_chunk", ("kda_cute_bwd_chunk",), _probe_wy_dqkg, flags=("emit_bf16",),
-              replaces=("bwd_wy_dqkg", "intra")),
+              replaces=("bwd_wy_dqkg", "intra", "l2norm_bwd")),
     CuteStage("l2norm_bwd", "l2norm_bwd", ("kda_cute_l2norm_bwd",), _probe_l2norm_bwd),
 )
 BY_NAME: dict[str, CuteStage] = {s.name: s for s in STAGES}
@@ -175,12 +177,13 @@ def kernel_stages() -> dict[str, str]:
 
 
 def replaced(ran: set[str] | None = None) -> set[str]:
-    """The stages a chain call does not make because a stage in `ran` (default: every stage, as
-    when all take their CuTe kernels) computed them in its one kernel."""
+    """The stages a chain call need not make because a stage in `ran` (default: every stage, as
+    when all take their CuTe kernels) can compute them in its one kernel."""
     return {n for s in STAGES if ran is None or s.name in ran for n in s.replaces}
 
 
 def chain_kernels() -> dict[str, str]:
-    """The CuTe kernels a chain call launches when every stage takes its kernel -> their stages."""
+    """The CuTe kernels a chain call launches when every stage takes its kernel (the default flags,
+    HV == H) -> their stages."""
     gone = replaced()
     return {k: st for k, st in kernel_stages().items() if st not in gone}

@@ -111,7 +111,7 @@ class KdaWyDqkg:
     """See the module docstring. io: the 16-bit operand dtype; beta_dtype: beta's."""
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_dAqk: bool,
-                 fused: bool = False, emit_bf16: bool = False, l2norm: bool = False):
+                 fused: bool = False, l2norm: bool = False):
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -125,7 +125,6 @@ class KdaWyDqkg:
         # the intra walk's parameters (kda_cute._intra_walk): 4 groups of K threads, one 16-row
         # block each; its smem operands in this kernel's strides
         self.fold_dg = True
-        self.emit_bf16 = emit_bf16
         self.pf = 2
         self.ngrp = THREADS // K
         self.bpg = BT // 16 // self.ngrp
@@ -786,7 +785,7 @@ class WyDqkgConfig:
     want_dAqk: bool
     arch: str
     fused: bool = False  # kda_cute_bwd_chunk (kda_cute.bwd_chunk): the intra walk in the same CTA
-    emit_bf16: bool = False  # fused: dq, dk out in the io dtype
+    emit_bf16: bool = False  # fused: dq, dk out in the io dtype (the outputs' dtype: host side only)
     l2norm: bool = False  # fused: dq, dk through q / k's L2-norm backward (io dtype)
 
 
@@ -823,7 +822,7 @@ def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
 
     kern = _kernel_class()(
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
-        cfg.want_dAqk, cfg.fused, cfg.emit_bf16, cfg.l2norm,
+        cfg.want_dAqk, cfg.fused, cfg.l2norm,
     )
     return cute.compile(kern, *views, stream, options=options)
 
