@@ -23,10 +23,11 @@ Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, gate in the o
     write   gk 1.074 GB, w, qg, kg 1.611, u 1.074                              3.76 GB
     total   6.72 GB: 1.68 ms at 4.0 TB/s (fla's gate cumsum + recompute_w_u: 0.42 + 1.80 ms)
 
-Today (H200, 2026-12-02, bench/check_stage.py --stage bwd_prep): 2.381 ms vs fla's 2.179 at the
-reference shape (0.92x, 2.8 TB/s: bound by phase 0's gate, not by v's loads), 1.846 vs 1.881 at
-B16 T8192 H16 K=V=128 (1.02x), 0.151 vs 0.210 at B2 T4096 (1.39x); every output's error vs
-float64 at or below fla's, bitwise repeatable (docs/perf/prep.md).
+Today (H200, 2026-12-02, bench/check_stage.py --stage bwd_prep): 2.371 ms vs fla's 2.117 at the
+reference shape (0.89x, 2.8 TB/s; the vector gate loads of phase 0 changed it by 0.4%: neither
+the gate nor v's loads bound it, docs/perf/prep.md), 1.848 vs 1.815 at B16 T8192 H16 K=V=128
+(0.98x), 0.145 vs 0.197 at B2 T4096 (1.36x); every output's error vs float64 at or below fla's,
+bitwise repeatable.
 
 Constraints: kda_cute_prep's (K = 128, V % 64 == 0, T % 64 == 0, HV % H == 0, dtypes, contiguous
 and 16-byte aligned), and Akk [B, T, HV, 64] in q's dtype.

@@ -59,9 +59,9 @@ q, k, v one dtype (bf16 or fp16); g fp32 / bf16 / fp16; beta bf16 / fp16 / fp32;
 16-byte aligned; no varlen; with the gate in the kernel an A_log of HV elements (dt_bias optional,
 HV * K). `scale`, `want_qg`, the gate form and lower_bound are part of the compile key.
 
-Today (H200, 2026-12-02, bench/check_stage.py --stage fwd_prep): 3.725 ms vs fla's gate cumsum +
-fwd_intra 5.410 at the reference shape (1.45x; 2.1x over the byte floor above), 3.297 vs 5.018 at
-B16 T8192 H16 K=V=128 (1.52x), 0.244 vs 0.418 at B2 T4096 (1.71x);
+Today (H200, 2026-12-02, bench/check_stage.py --stage fwd_prep): 3.559 ms vs fla's gate cumsum +
+fwd_intra 5.405 at the reference shape (1.52x; 2.0x over the byte floor above), 3.162 vs 5.058 at
+B16 T8192 H16 K=V=128 (1.60x), 0.231 vs 0.397 at B2 T4096 (1.72x);
 every output's error vs float64 equal to fla's, bitwise repeatable (bench/results/prep.md).
 
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_prep_compile.py, ptxsim.kda_prep)
