@@ -712,27 +712,14 @@ def bwd_intra(
     return dq_out.to(dq_dtype), dk_out.to(dk_dtype), db_out, dg_out
 
 
-def bwd_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    v_new: torch.Tensor,
-    gk: torch.Tensor,
-    beta: torch.Tensor,
-    Akk: torch.Tensor,
-    h: torch.Tensor,
-    do: torch.Tensor,
-    dh: torch.Tensor,
-    dv: torch.Tensor,
-    scale: float,
-    emit_bf16: bool = False,
-    q_rstd: torch.Tensor | None = None,
-    k_rstd: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
+def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale: float, emit_bf16: bool = False,
+              q_rstd: torch.Tensor | None = None,
+              k_rstd: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The whole chunk-parallel backward after the scans (kda_cute_bwd_chunk does it in one
-    kernel): bwd_wy_dqkg, bwd_dAv's dA, then bwd_intra with fold_dg, and with q_rstd, k_rstd
-    l2norm_bwd of dq, dk (q, k being the normalized ones). Returns dq, dk (q's dtype with emit_bf16
-    or the rstds, else the compute dtype), dv2, db, dg (reverse-cumsummed within each chunk)."""
+    kernel; the tensors as bwd_wy_dqkg's): bwd_wy_dqkg, bwd_dAv's dA, then bwd_intra with fold_dg,
+    and with q_rstd, k_rstd l2norm_bwd of dq, dk (q, k being the normalized ones). Returns dq, dk
+    (q's dtype with emit_bf16 or the rstds, else the compute dtype), dv2, db, dg (reverse-cumsummed
+    within each chunk)."""
     dq, dk, dv2, db, dg, dAkk = bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale)
     dAqk = bwd_dAv(v_new, do, torch.zeros_like(Akk), scale)[0]
     dq, dk, db, dg = bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=True,
