@@ -52,6 +52,10 @@ Today (H200, 2026-12-01, 3 calls per sample): fold_dg 3.758-3.837 ms = 4.04-4.08
 dg cumsum (15.3-15.5 ms); the stage benchmark (the chain's call, fold_dg + emit_bf16, one call per
 round) 3.660 vs 15.652 ms = 4.28x.
 
+The per-column walk (everything after the loads) is kda_cute._intra_walk, the same device code
+kda_cute_bwd_chunk runs on wy_dqkg's outputs in smem; with that kernel in the chain this one runs
+only where bwd_chunk does not (its "split" fallback: KDA_FORCE_FLA=bwd_chunk, or fla's wy_dqkg).
+
 History, falsified experiments and their logs: docs/perf/intra.md.
 """
 
@@ -247,7 +251,6 @@ def _build_kernel_class():
                 sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
             cute.arch.sync_threads()
 
-            # ---------------- per-thread column work ----------------
             # ---------------- per-thread column work (kda_cute._intra_walk) ----------------
             # this thread's column d of each [B, T, HV, K] tensor in this chunk: one pointer per
             # tensor, rows at a static stride (HV * K), so every per-row access is an immediate
