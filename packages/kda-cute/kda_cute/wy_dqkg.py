@@ -43,7 +43,8 @@ epilogue, but dq, dk, dg, dAqk, dAkk (fp32) and db go to smem, and the intra wal
 group) runs on them in the same CTA, writing the final dq, dk, db and folded dg. Its smem is one
 146.5 KB region (the R_* offsets below: the ring, then the epilogue's tiles, then the walk's
 operands; two extra barriers where a tile takes a dead one's place) plus q, k in the walk's
-padded rows and gk: ~219 KB.
+padded rows and gk: ~219 KB. With that kernel in the chain, kda_cute_wy_dqkg itself runs only in
+bwd_chunk's "split" fallback.
 
 Layouts: global as fla (q, k [B, T, H, K]; v-like [B, T, HV, V]; gk and the K outputs [B, T, HV,
 K]; Akk / dAkk / dAqk [B, T, HV, 64], row = token; h, dh [B, NT, HV, K, V], K-major rows of V).
