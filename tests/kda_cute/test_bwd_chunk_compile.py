@@ -44,11 +44,13 @@ def _rows(x, ctas):
     "kw, scale, ctas",
     [
         (dict(B=1, T=64, H=1, HV=1, V=128, seed=0), SCALE, [(0, 0, 0)]),
+        # V = 256: four V tiles, the 2-stage ring refilled twice before the hand-over
+        (dict(B=1, T=64, H=1, HV=1, V=256, seed=4), SCALE, [(0, 0, 0)]),
         # fp16, fp32 beta, gates near -2 per step, GVA: the second chunk / value head / batch's CTA
         (dict(B=2, T=128, H=1, HV=2, V=64, dtype=torch.float16, beta_dtype=torch.float32, gmin=-2.0, seed=5),
          0.25, [(1, 1, 1)]),
     ],
-    ids=["bf16-V128", "fp16-gva-strong"],
+    ids=["bf16-V128", "bf16-V256", "fp16-gva-strong"],
 )
 def test_ptx_equals_wy_dqkg_then_intra(ptx, kw, scale, ctas):
     a = wy_inputs(**kw)
