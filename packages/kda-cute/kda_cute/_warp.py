@@ -81,6 +81,14 @@ def row_reason(name: str, x) -> str | None:
     return None
 
 
+def rstd_reason(name: str, rstd, x) -> str | None:
+    """rstd is the L2 norm's [B, T, H] fp32 rstd of x [B, T, H, K] (what l2norm_fwd saved; read by
+    kda_cute.l2norm_bwd and kda_cute.bwd_chunk's L2-norm backward), or why not."""
+    if tuple(rstd.shape) != tuple(x.shape[:3]) or rstd.dtype != torch.float32:
+        return f"{name} must be {tuple(x.shape[:3])} float32; got {tuple(rstd.shape)} {rstd.dtype}"
+    return None
+
+
 def layout_reason(names, tensors) -> str | None:
     """Every tensor contiguous, 16-byte aligned, on one device the kernel can use; or why not."""
     for name, t in zip(names, tensors, strict=True):

@@ -70,10 +70,8 @@ def _rstd_reason(q, v, q_rstd, k_rstd) -> str | None:
         return None
     if v.shape[2] != q.shape[2]:
         return f"the L2 norm's backward inside needs HV == H (got HV={v.shape[2]}, H={q.shape[2]})"
-    for name, t in (("q_rstd", q_rstd), ("k_rstd", k_rstd)):
-        if tuple(t.shape) != tuple(q.shape[:3]) or t.dtype != torch.float32:
-            return f"{name} must be {tuple(q.shape[:3])} float32; got {tuple(t.shape)} {t.dtype}"
-    return _warp.layout_reason(("q_rstd", "k_rstd"), (q_rstd, k_rstd))
+    return (_warp.rstd_reason("q_rstd", q_rstd, q) or _warp.rstd_reason("k_rstd", k_rstd, q)
+            or _warp.layout_reason(("q_rstd", "k_rstd"), (q_rstd, k_rstd)))
 
 
 def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,

@@ -84,8 +84,9 @@ def _reason(y, rstd, dy) -> str | None:
     r = _warp.row_reason("y", y)
     if r is not None:
         return r
-    if tuple(rstd.shape) != tuple(y.shape[:3]) or rstd.dtype != torch.float32:
-        return f"rstd must be {tuple(y.shape[:3])} float32; got {tuple(rstd.shape)} {rstd.dtype}"
+    r = _warp.rstd_reason("rstd", rstd, y)
+    if r is not None:
+        return r
     if dy.shape != y.shape or dy.dtype not in (y.dtype, torch.float32):
         return f"dy must be y's shape in y's dtype or float32; got {tuple(dy.shape)} {dy.dtype}"
     return _warp.layout_reason(("y", "rstd", "dy"), (y, rstd, dy))
