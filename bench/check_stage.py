@@ -3,10 +3,14 @@ arguments of a chain call:
 
     bwd_wy_dqkg   kda_cute.wy_dqkg (kernel kda_cute_wy_dqkg) vs chunk_kda_bwd_wy_dqkg_fused
     fwd_prep      kda_cute.prep (kernel kda_cute_prep) vs kda_gate_chunk_cumsum + chunk_kda_fwd_intra
+                  (with the chain's l2norm=True: fla's l2norm_fwd of the raw q, k first, and the
+                  normalized q, k and their rstds checked too)
     bwd_prep      kda_cute.bwd_prep (kernel kda_cute_bwd_prep) vs kda_gate_chunk_cumsum + recompute_w_u
     bwd_chunk     kda_cute.bwd_chunk (kernel kda_cute_bwd_chunk) vs wy_dqkg + bwd_dAv + bwd_intra +
-                  the dg cumsum (+ l2norm_bwd), with the chain's flags (emit_bf16, the rstds where
-                  HV == H); timed also against our previous path (wy_dqkg, intra, l2norm_bwd)
+                  the dg cumsum (+ l2norm_bwd, + kda_gate_bwd), with the chain's flags and arguments
+                  (emit_bf16, the rstds where HV == H, the raw gate, A_log, dt_bias, lower_bound);
+                  timed also against our previous path (wy_dqkg, intra, l2norm_bwd, fla's gate_bwd);
+                  dA_log / ddt_bias (sums over the batch) checked on a batch-0 call of their own
 
 Per shape: one fwd+bwd of kda_chain.chunk_kda (gate + l2norm in the op; A_log up to log 16, so
 gates reach ~-10 per step) runs under `kda_chain.stages.capture()`; the stage's arguments are
@@ -43,7 +47,20 @@ def stage_kwargs(calls, stage) -> dict:
     """The captured keyword arguments that are the contract's (not the CuTe-only flags), e.g.
     bwd_chunk's q_rstd / k_rstd with the L2 norm in the op."""
     kw = calls.get((stage, "kw"), {})
-    return {k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    return {k: v for k, v in kw.items() if isinstance(v, torch.Tensor) or k == "lower_bound"}
+
+
+_PER_HEAD = ("dA_log", "ddt_bias")  # sums over the batch: checked on a batch-0 call of their own
+
+
+def _batch0(calls, stage) -> dict:
+    """`calls` with the stage's [B, ...] tensors (3-D and up) cut to batch 0 (contiguous views)."""
+    def cut(a):
+        return a[:1] if isinstance(a, torch.Tensor) and a.dim() >= 3 else a
+
+    kw = calls.get((stage, "kw"), {})
+    return {**calls, stage: tuple(cut(a) for a in stage_args(calls, stage)),
+            (stage, "kw"): {k: cut(v) for k, v in kw.items()}}
 
 
 def cute_flags(calls, stage) -> dict:
@@ -61,20 +78,30 @@ def _fla_dAqk(calls) -> tuple:
     return (S._fla_bwd_dAv(q, k, v_new, do, calls["fwd"][6], scale)[0],)
 
 
+def _fla_fwd_prep(*args, l2norm=False) -> tuple:
+    """fla's kernels for fwd_prep's contract; with l2norm (the chain's raw q, k) its l2norm_fwd of
+    both first, the normalized q, k and their rstds returned after the seven."""
+    from kda_chain import stages as S
+
+    return S._fla_fwd_prep(*args, l2norm=l2norm)
+
+
 def _fla_bwd_chunk(*args, emit_bf16=False, **kw) -> tuple:
     """fla's kernels for bwd_chunk's contract (its l2norm_bwd too with the rstds), dq / dk rounded
     to q's dtype where ours emits them in it."""
     from kda_chain import stages as S
 
-    dq, dk, dv2, db, dg = S._fla_bwd_chunk(*args, **kw)
+    dq, dk, dv2, db, dg, dA_log, ddt_bias = S._fla_bwd_chunk(*args, **kw)
     if emit_bf16:
         dq, dk = dq.to(args[0].dtype), dk.to(args[0].dtype)
-    return dq, dk, dv2, db, dg
+    return dq, dk, dv2, db, dg, dA_log, ddt_bias
 
 
-def _split_bwd_chunk(*args, emit_bf16=False, q_rstd=None, k_rstd=None) -> tuple:
-    """Our previous path for bwd_chunk's contract: kda_cute_wy_dqkg, kda_cute_intra, and with the
-    rstds kda_cute_l2norm_bwd twice."""
+def _split_bwd_chunk(*args, emit_bf16=False, q_rstd=None, k_rstd=None, g=None, A_log=None, dt_bias=None,
+                     lower_bound=None) -> tuple:
+    """Our previous path for bwd_chunk's contract: kda_cute_wy_dqkg, kda_cute_intra, with the
+    rstds kda_cute_l2norm_bwd twice, with A_log fla's kda_gate_bwd."""
+    from kda_chain import stages as S
     from kda_cute import intra, l2norm_bwd, wy_dqkg
 
     q, k, _, _, gk, beta = args[:6]
@@ -83,7 +110,10 @@ def _split_bwd_chunk(*args, emit_bf16=False, q_rstd=None, k_rstd=None) -> tuple:
                                      emit_bf16=emit_bf16 or q_rstd is not None)
     if q_rstd is not None:
         dq, dk = l2norm_bwd.l2norm_bwd(q, q_rstd, dq), l2norm_bwd.l2norm_bwd(k, k_rstd, dk)
-    return dq, dk, dv2, db, dg
+    dA_log = ddt_bias = None
+    if A_log is not None:
+        dg, dA_log, ddt_bias = S._fla_gate_bwd(g, A_log, dt_bias, dg, lower_bound)
+    return dq, dk, dv2, db, dg, dA_log, ddt_bias
 
 
 @dataclass(frozen=True)
@@ -103,10 +133,14 @@ CHECKS = {
     "bwd_wy_dqkg": StageCheck("wy_dqkg", "bwd_wy_dqkg", "_fla_bwd_wy_dqkg",
                               ("dq", "dk", "dv2", "db", "dg", "dAkk", "dAqk"), (("want_dAqk", True),),
                               _fla_dAqk),
-    "fwd_prep": StageCheck("prep", "fwd_prep", "_fla_fwd_prep", ("gk", "w", "u", "qg", "kg", "Aqk", "Akk")),
+    # l2norm as the chain passed it (captured): the last four outputs only with it
+    "fwd_prep": StageCheck("prep", "fwd_prep", _fla_fwd_prep,
+                           ("gk", "w", "u", "qg", "kg", "Aqk", "Akk", "q_n", "k_n", "q_rstd", "k_rstd"),
+                           (("l2norm", False),)),
     "bwd_prep": StageCheck("bwd_prep", "bwd_prep", "_fla_bwd_prep", ("gk", "w", "u", "qg", "kg")),
-    "bwd_chunk": StageCheck("bwd_chunk", "bwd_chunk", _fla_bwd_chunk, ("dq", "dk", "dv2", "db", "dg"),
-                            (("emit_bf16", True),), ours_before=_split_bwd_chunk),
+    "bwd_chunk": StageCheck("bwd_chunk", "bwd_chunk", _fla_bwd_chunk,
+                            ("dq", "dk", "dv2", "db", "dg", "dA_log", "ddt_bias"), (("emit_bf16", True),),
+                            ours_before=_split_bwd_chunk),
 }
 
 
@@ -193,14 +227,21 @@ def check(stage, name, calls) -> bool:
     want = getattr(ref, c.contract)(*b0, **cute_flags(calls, stage), **kw0)
     ok = True
     cells = []
-    for n, o, f, w in zip(c.names, ours, fla, want, strict=True):
+    ran0 = None  # (ours, fla's) on batch 0, for the per-head sums
+    for n, o, f, w in zip(c.names[:len(want)], ours, fla, want, strict=True):  # (fwd_prep: 7 or 11)
         if o is None or f is None:
             if (o is None) != (f is None):
                 ok = False
                 cells.append(f"{n} {'missing' if o is None else 'extra'} FAIL")
             continue
         finite = bool(torch.isfinite(o).all())  # every batch: the poison must be overwritten
-        o, f = o[:1], f[:1]
+        if n in _PER_HEAD and args[0].shape[0] > 1:  # a sum over the batch: ours / fla's on batch 0 alone
+            if ran0 is None:
+                r0, f0, _ = ours_fla(stage, _batch0(calls, stage))
+                ran0 = (r0(), f0())
+            o, f = ran0[0][c.names.index(n)], ran0[1][c.names.index(n)]
+        elif n not in _PER_HEAD:
+            o, f = o[:1], f[:1]
         if n == "Aqk":
             f = _lower(f)
         eo, ef = rel(o, w), rel(f, w)

@@ -11,8 +11,9 @@
     bwd_chunk                  kda_cute_bwd_chunk: everything below up to gva_sum in one kernel
                                (dq, dk, dv, db, dg with dg reverse-cumsummed; dq / dk in q's dtype
                                when HV == H, then also through l2norm_bwd with that flag: the
-                               l2norm_bwd stage is skipped); where it does not run ("split", with
-                               its reason):
+                               l2norm_bwd stage is skipped; with the gate in the op also gate_bwd:
+                               dg the raw gate's, dA_log, ddt_bias, and the gate_bwd stage is
+                               skipped); where it does not run ("split", with its reason):
       bwd_wy_dqkg              dq, dk, dv, db, dg, dAkk through the WY form and the states; with
                                the CuTe kernel also bwd_dAv's dAqk = scale tril(do v_new^T)
       bwd_dAv                  only where dhu or bwd_wy_dqkg is not the CuTe kernel
@@ -21,7 +22,8 @@
                                so dg_cumsum is skipped) and, when HV == H, emit_bf16=True
       dg_cumsum                only when intra was not the CuTe kernel
     gva_sum                    dq, dk summed over each group of HV // H value heads, in fp32
-    gate_bwd                   only with the gate in kernel -> dg_raw, dA_log, ddt_bias
+    gate_bwd                   only with the gate in kernel, where bwd_chunk did not fold it
+                               -> dg_raw, dA_log, ddt_bias
     l2norm_bwd, beta_sigmoid_bwd   only with those flags
 """
 
@@ -90,7 +92,6 @@ def backward(do, dht, s: Saved, f: Flags):
 
 def _backward(do, dht, s: Saved, f: Flags):
     q, k, v, beta = s.q, s.k, s.v, s.beta
-    H, HV = q.shape[2], v.shape[2]
     if s.kept is not None:  # disable_recompute: the forward kept these (and gk)
         gk, w, u, qg, kg, h, v_new = (s.gk, s.kept.w, s.kept.u, s.kept.qg, s.kept.kg, s.kept.h, s.kept.v_new)
     else:  # gk and the WY factors again from the raw gate and the saved Akk (one kernel)
@@ -122,15 +123,32 @@ def _backward(do, dht, s: Saved, f: Flags):
     del qg, kg, w, u, dhu_in  # (the argument tuples hold references too)
     wy_in = [q, k, v, v_new, gk, beta, s.Akk, h, do, dh, dv, f.scale]
     del h, dh, v_new, dv  # (wy_in's references go as soon as their stage is done)
+    return _chunk_parallel(wy_in, dh0, dAqk, s, f)
+
+
+def _chunk_parallel(wy_in: list, dh0, dAqk, s: Saved, f: Flags):
+    """Everything after the two scans, from bwd_chunk's inputs `wy_in` (emptied as soon as their
+    stage is done): bwd_chunk (or its stages), gva_sum, the gate, l2norm and beta sigmoid
+    backwards -> the backward's outputs."""
+    q, k, v = wy_in[:3]
+    H, HV = q.shape[2], v.shape[2]
     emit_bf16 = HV == H and q.dtype in _HALF
     kw = dict(emit_bf16=emit_bf16)
     if f.use_qk_l2norm_in_kernel and HV == H:  # the L2 norm's backward too, inside
         kw.update(q_rstd=s.q_rstd, k_rstd=s.k_rstd)
-    impl, reason = S.bwd_chunk.choose(*wy_in, **kw)
-    l2norm_done = False
-    if impl.name == "cute":  # wy_dqkg, dAqk, intra, the dg fold (and l2norm_bwd) in one kernel
-        dq, dk, dv, db, dg = S.bwd_chunk.run(impl, reason, *wy_in, **kw)
-        l2norm_done = "q_rstd" in kw
+    gate_kw = {}
+    if f.use_gate_in_kernel and s.A_log is not None:  # fla's gate backward of dg too, inside
+        gate_kw = dict(g=s.g, A_log=s.A_log, dt_bias=s.dt_bias, lower_bound=f.lower_bound)
+    impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw)
+    if impl.name != "cute" and gate_kw:  # the kernel may still take the call without the gate's part
+        alt = S.bwd_chunk.choose(*wy_in, **kw)
+        if alt[0].name == "cute":
+            (impl, reason), gate_kw = alt, {}
+    l2norm_done = gate_done = False
+    dA_log = ddt_bias = None
+    if impl.name == "cute":  # wy_dqkg, dAqk, intra, the dg fold (l2norm_bwd, gate_bwd) in one kernel
+        dq, dk, dv, db, dg, dA_log, ddt_bias = S.bwd_chunk.run(impl, reason, *wy_in, **kw, **gate_kw)
+        l2norm_done, gate_done = "q_rstd" in kw, bool(gate_kw)
         wy_in.clear()
     else:
         with S.bwd_chunk.split(reason):
@@ -140,8 +158,7 @@ def _backward(do, dht, s: Saved, f: Flags):
     if HV > H:
         dq = S.gva_sum(dq, H)
         dk = S.gva_sum(dk, H)
-    dA_log = ddt_bias = None
-    if f.use_gate_in_kernel:
+    if f.use_gate_in_kernel and not gate_done:
         dg, dA_log, ddt_bias = S.gate_bwd(s.g, s.A_log, s.dt_bias, dg, f.lower_bound)
     if f.use_qk_l2norm_in_kernel and not l2norm_done:
         dq = S.l2norm_bwd(q, s.q_rstd, dq)

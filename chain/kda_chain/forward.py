@@ -1,7 +1,10 @@
 """The forward composition. Stages, in order (each one dispatched through `stages`):
 
-    l2norm_fwd (q, k)          only with use_qk_l2norm_in_kernel
     beta_sigmoid_fwd           only with use_beta_sigmoid_in_kernel (x2 with allow_neg_eigval)
+    l2norm_fwd (q, k)          only with use_qk_l2norm_in_kernel, and only where fwd_prep does not
+                               run its CuTe kernel (which then takes the raw q, k with l2norm=True
+                               and returns them normalized, with their rstds: two launches and one
+                               read of q, k fewer)
     fwd_prep                   kda_cute_prep: the gate (in kernel, or the given log-gate) -> gk, its
                                log2 chunk cumsum, and w, u, qg, kg, Aqk, Akk per chunk (fla:
                                kda_gate_chunk_cumsum + chunk_kda_fwd_intra); qg (q * exp2(gk), what
@@ -89,15 +92,23 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks=No
 
 def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks):
     q_rstd = k_rstd = None
-    if f.use_qk_l2norm_in_kernel:
-        q, q_rstd = S.l2norm_fwd(q)
-        k, k_rstd = S.l2norm_fwd(k)
     beta_raw = beta
     if f.use_beta_sigmoid_in_kernel:
         beta = S.beta_sigmoid_fwd(beta_raw, f.beta_scale)
-    want_qg = f.disable_recompute or S.cute_planned("fwd", q, v, initial_state, chunks)
-    gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep(q, k, v, g, beta, A_log, dt_bias, f.lower_bound,
-                                            f.use_gate_in_kernel, f.scale, f.chunk_size, want_qg)
+    want_qg = f.disable_recompute or S.cute_planned("fwd", q, v, initial_state, chunks)  # (q's shape only)
+    prep_in = (v, g, beta, A_log, dt_bias, f.lower_bound, f.use_gate_in_kernel, f.scale, f.chunk_size,
+               want_qg)
+    if f.use_qk_l2norm_in_kernel:
+        impl, reason = S.fwd_prep.choose(q, k, *prep_in, l2norm=True)
+        if impl.name == "cute":  # the L2 norm inside kda_cute_prep: no l2norm_fwd launches
+            gk, w, u, qg, kg, Aqk, Akk, q, k, q_rstd, k_rstd = S.fwd_prep.run(impl, reason, q, k, *prep_in,
+                                                                             l2norm=True)
+        else:
+            q, q_rstd = S.l2norm_fwd(q)
+            k, k_rstd = S.l2norm_fwd(k)
+            gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep.run(impl, reason, q, k, *prep_in)
+    else:
+        gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep(q, k, *prep_in)
     o, ht = S.fwd(q, qg, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale, chunks=chunks)
     kept = None
     if f.disable_recompute:  # the states for the backward: fwd keeps none (b1: 1.4 ms at the ref shape)

@@ -392,9 +392,13 @@ def _fla_fwd_scan(q, qg, kg, w, u, gk, Aqk, initial_state, output_final_state, s
 
 
 def _fla_fwd_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size,
-                  want_qg=False):
+                  want_qg=False, l2norm=False):
+    l2 = ()
+    if l2norm:  # q, k raw: fla's l2norm_fwd of each first, its outputs after fwd_intra's
+        (q, q_rstd), (k, k_rstd) = _fla_l2norm_fwd(q), _fla_l2norm_fwd(k)
+        l2 = (q, k, q_rstd, k_rstd)
     gk = _fla_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
-    return (gk, *_fla_fwd_intra(q, k, v, gk, beta, scale, chunk_size, want_qg))
+    return (gk, *_fla_fwd_intra(q, k, v, gk, beta, scale, chunk_size, want_qg), *l2)
 
 
 def _fla_recompute_w_u(q, k, v, beta, Akk, gk):
@@ -442,7 +446,7 @@ def _fla_bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, em
 
 
 def _fla_bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
-                   k_rstd=None):
+                   k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None):
     if emit_bf16:
         raise ValueError("fla's kernels have no emit_bf16; the chain asks only the CuTe kernel")
     dq, dk, dv2, db, dg, dAkk = _fla_bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale)
@@ -450,7 +454,11 @@ def _fla_bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf1
     dq, dk, db, dg = _fla_bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg)
     if q_rstd is not None:
         dq, dk = _fla_l2norm_bwd(q, q_rstd, dq), _fla_l2norm_bwd(k, k_rstd, dk)
-    return dq, dk, dv2, db, _fla_dg_cumsum(dg, 64)
+    dg = _fla_dg_cumsum(dg, 64)
+    dA_log = ddt_bias = None
+    if A_log is not None:  # the gate in the op: its backward too (kda_gate_bwd)
+        dg, dA_log, ddt_bias = _fla_gate_bwd(g, A_log, dt_bias, dg, lower_bound)
+    return dq, dk, dv2, db, dg, dA_log, ddt_bias
 
 
 def _fla_dg_cumsum(dg, chunk_size):

@@ -274,8 +274,8 @@ def main(argv=None) -> int:
 
 def cute_problem(res: Results) -> str | None:
     """Why the CuTe stages did not all run their kernels, or None. A stage another can compute in
-    its one kernel (registry `replaces`: bwd_chunk's bwd_wy_dqkg, intra, l2norm_bwd) is not
-    expected once that one ran its kernel; called anyway, it must run its own."""
+    its one kernel (registry `replaces`: bwd_chunk's bwd_wy_dqkg, intra, l2norm_bwd, gate_bwd; fwd_prep's
+    l2norm_fwd) is not expected once that one ran its kernel; called anyway, it must run its own."""
     ran = {s for s in CUTE_STAGES if any(r.impl == "cute" for r in res.stage(s))}
     gone = {s for s in registry.replaced(ran) if not res.stage(s)}
     lines = []

@@ -126,16 +126,27 @@ def test_fwd_prep_computes_qg_only_when_the_cute_fwd_is_planned(monkeypatch):
     assert run()[1:] == (False, None)
 
 
-def test_fused_bwd_chunk_replaces_wy_intra_and_l2norm_bwd(monkeypatch):
-    """With a CuTe bwd_chunk the chain makes one stage call for wy_dqkg, intra, dg_cumsum and (l2norm
-    in the op, HV == H) l2norm_bwd, passing the rstds; the gradients are the split
-    path's. The 'CuTe' implementation here is the reference's bwd_chunk."""
+@pytest.mark.parametrize("gate", [dict(), dict(dt_bias=True, lower_bound=-5.0), None],
+                         ids=["gate", "gate_bias_lb", "no_gate"])
+def test_fused_bwd_chunk_replaces_wy_intra_and_l2norm_bwd(monkeypatch, gate):
+    """With a CuTe bwd_chunk the chain makes one stage call for wy_dqkg, intra, dg_cumsum, (l2norm
+    in the op, HV == H) l2norm_bwd, passing the rstds, and (the gate in the op) gate_bwd, passing
+    the raw gate, A_log, dt_bias and lower_bound; the gradients are the split path's. The 'CuTe'
+    implementation here is the reference's bwd_chunk."""
     from kda_cute import reference as ref
 
     x = _inputs(T=128, H=2, HV=2)
-    kw = dict(use_gate_in_kernel=True, A_log=x["A_log"], initial_state=x["initial_state"],
-              use_qk_l2norm_in_kernel=True)
-    names = ("q", "k", "v", "g", "beta")
+    kw = dict(initial_state=x["initial_state"], use_qk_l2norm_in_kernel=True)
+    names = ["q", "k", "v", "g", "beta"]
+    if gate is None:  # a pre-computed log gate
+        with torch.no_grad():
+            x["g"].copy_(-torch.nn.functional.softplus(x["g"]))
+    else:
+        kw.update(use_gate_in_kernel=True, A_log=x["A_log"])
+        names.append("A_log")
+        if gate.get("dt_bias"):
+            kw.update(dt_bias=x["dt_bias"], lower_bound=gate["lower_bound"])
+            names.append("dt_bias")
 
     def grads():
         for n in names:
@@ -147,6 +158,7 @@ def test_fused_bwd_chunk_replaces_wy_intra_and_l2norm_bwd(monkeypatch):
 
     want, split = grads()
     assert "bwd_wy_dqkg" in split and "intra" in split and split.count("l2norm_bwd") == 2
+    assert split.count("gate_bwd") == (gate is not None)
     seen = {}
 
     def fake_cute(*args, **kwargs):
@@ -157,11 +169,86 @@ def test_fused_bwd_chunk_replaces_wy_intra_and_l2norm_bwd(monkeypatch):
     monkeypatch.setattr(S.bwd_chunk, "impls", [fake, *S.bwd_chunk.impls[1:]])
     S.clear_gate_cache()
     got, stages = grads()
-    assert set(seen) == {"emit_bf16", "q_rstd", "k_rstd"} and seen["emit_bf16"] is False  # float64
-    for st in ("bwd_wy_dqkg", "intra", "dg_cumsum", "l2norm_bwd"):  # (bwd_dAv: dhu's dv on the reference)
+    folded = {"emit_bf16", "q_rstd", "k_rstd"}
+    if gate is not None:
+        folded |= {"g", "A_log", "dt_bias", "lower_bound"}
+        assert seen["A_log"] is x["A_log"] and seen["lower_bound"] == gate.get("lower_bound")
+        assert (seen["dt_bias"] is None) == (not gate)
+    assert set(seen) == folded and seen["emit_bf16"] is False  # float64
+    for st in ("bwd_wy_dqkg", "intra", "dg_cumsum", "l2norm_bwd", "gate_bwd"):  # (bwd_dAv: dhu's dv)
         assert st not in stages, (st, stages)
     assert stages.count("bwd_chunk") == 1
     for n, a, b in zip(names, got, want, strict=True):
+        assert rel_err(a, b) < 1e-12, n
+
+
+def test_bwd_chunk_without_its_gate_part_runs_gate_bwd(monkeypatch):
+    """A CuTe bwd_chunk that refuses the gate's arguments (but takes the call without them) still
+    runs, without them; gate_bwd then runs as its own stage. Same gradients."""
+    from kda_cute import reference as ref
+
+    x = _inputs(T=128, H=2, HV=2)
+    kw = dict(initial_state=x["initial_state"], use_gate_in_kernel=True, A_log=x["A_log"],
+              dt_bias=x["dt_bias"])
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+
+    def grads():
+        for n in names:
+            x[n].grad = None
+        reset_dispatch_log()
+        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        o.sum().backward()
+        return [x[n].grad.clone() for n in names], [c.stage for c in dispatch_log()]
+
+    want, _ = grads()
+    fake = S.Impl("cute", lambda *a, **k: "no gate" if k.get("A_log") is not None else None, ref.bwd_chunk)
+    monkeypatch.setattr(S.bwd_chunk, "impls", [fake, *S.bwd_chunk.impls[1:]])
+    S.clear_gate_cache()
+    got, stages = grads()
+    assert stages.count("bwd_chunk") == 1 and stages.count("gate_bwd") == 1
+    assert "bwd_wy_dqkg" not in stages and "intra" not in stages
+    for n, a, b in zip(names, got, want, strict=True):
+        assert rel_err(a, b) < 1e-12, n
+
+
+@pytest.mark.parametrize("HV", [2, 4])
+def test_cute_fwd_prep_takes_the_l2norm(monkeypatch, HV):
+    """With the L2 norm in the op and a CuTe fwd_prep the chain hands fwd_prep the raw q, k with
+    l2norm=True and calls no l2norm_fwd stage (HV == H and GVA); o, ht and every gradient are the
+    unfused path's (l2norm_fwd twice, then fwd_prep), the backward reading the rstds fwd_prep
+    returned. The 'CuTe' implementation here is the reference's fwd_prep (which honours l2norm)."""
+    from kda_cute import reference as ref
+
+    x = _inputs(T=128, H=2, HV=HV)
+    kw = dict(use_gate_in_kernel=True, A_log=x["A_log"], initial_state=x["initial_state"],
+              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    names = ("q", "k", "v", "g", "beta")
+
+    def run():
+        for n in names:
+            x[n].grad = None
+        reset_dispatch_log()
+        o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        (o.sum() + ht.sum()).backward()
+        outs = [o.detach(), ht.detach()] + [x[n].grad.clone() for n in names]
+        return outs, [c.stage for c in dispatch_log()]
+
+    want, unfused = run()
+    assert unfused.count("l2norm_fwd") == 2 and unfused.index("l2norm_fwd") < unfused.index("fwd_prep")
+    seen = []
+
+    def fake_cute(*args, **kwargs):
+        seen.append((args, kwargs))
+        return ref.fwd_prep(*args, **kwargs)
+
+    fake = S.Impl("cute", lambda *a, **k: None, fake_cute)
+    monkeypatch.setattr(S.fwd_prep, "impls", [fake, *S.fwd_prep.impls[1:]])
+    S.clear_gate_cache()
+    got, stages = run()
+    assert "l2norm_fwd" not in stages and stages.count("fwd_prep") == 1, stages
+    assert len(seen) == 1 and seen[0][1] == {"l2norm": True}
+    assert torch.equal(seen[0][0][0], x["q"].detach()) and torch.equal(seen[0][0][1], x["k"].detach())
+    for n, a, b in zip(("o", "ht", *names), got, want, strict=True):
         assert rel_err(a, b) < 1e-12, n
 
 
@@ -389,7 +476,7 @@ def test_fla_adapters_bind_to_fla_signatures(monkeypatch):
         def call(*args, **kwargs):
             sig.bind(*args, **kwargs)
             bound.append(name)
-            n = {"chunk_gated_delta_rule_fwd_h": 3}.get(name, 6)
+            n = {"chunk_gated_delta_rule_fwd_h": 3, "l2norm_fwd": 2}.get(name, 6)
             return (torch.zeros(1),) * n
 
         return call
@@ -401,6 +488,7 @@ def test_fla_adapters_bind_to_fla_signatures(monkeypatch):
         lambda: S._fla_gate_chunk_cumsum(t, None, None, None, 64, False),
         lambda: S._fla_fwd_intra(t, t, t, t, t, 0.1, 64),
         lambda: S._fla_fwd_intra(t, t, t, t, t, 0.1, 64, True),
+        lambda: S._fla_fwd_prep(t, t, t, t, t, t, t, None, True, 0.1, 64, True, l2norm=True),
         lambda: S._fla_fwd_scan(t, t, t, t, t, t, t, None, True, 0.1),
         lambda: S._fla_recompute_w_u(t, t, t, t, t, t),
         lambda: S._fla_bwd_dAv(t, t, t, t, t, 0.1),
@@ -416,7 +504,7 @@ def test_fla_adapters_bind_to_fla_signatures(monkeypatch):
     ]
     for c in calls:
         c()
-    assert len(bound) == 17  # fwd_scan binds two fla functions
+    assert len(bound) == 21  # fwd_scan binds two fla functions, fwd_prep with l2norm four
 
 
 def test_backward_on_another_thread_is_recorded_and_captured():

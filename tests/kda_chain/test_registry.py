@@ -17,8 +17,8 @@ def test_witness_expects_exactly_the_chains_cute_stages():
     """A CuTe stage in the chain that the witness does not expect could fall back while
     `--require-cute` passes: the expectation must name every one, with its kernels."""
     expected = kda_witness.expected_kernels()
-    gone = registry.replaced()  # computed inside another stage's kernel (bwd_chunk's)
-    assert gone == {"bwd_wy_dqkg", "intra", "l2norm_bwd"}
+    gone = registry.replaced()  # computed inside another stage's kernel (bwd_chunk's, fwd_prep's)
+    assert gone == {"bwd_wy_dqkg", "intra", "l2norm_bwd", "gate_bwd", "l2norm_fwd"}
     assert set(expected.values()) == _chain_cute_stages() - gone
     for rec in registry.STAGES:
         for k in rec.kernels:

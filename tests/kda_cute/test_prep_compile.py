@@ -165,3 +165,85 @@ def test_gate_in_kernel(ptx, gate, g_dtype):
     a = prep_inputs(B=1, T=64, H=1, HV=2, V=64, seed=6, gate=gate, g_dtype=g_dtype, gmin=-5.0)
     text = ptx(P.compile_for(*a, SCALE, want_qg=True, keep_ptx=True))
     _check(emulate_prep(text, a, want_qg=True), a, SCALE)
+
+
+def _bits(x):
+    return x.view(torch.int32) if x.dtype == torch.float32 else x.view(torch.int16)
+
+
+L2_NAMES = ("q_n", "k_n", "q_rstd", "k_rstd")
+
+
+@pytest.mark.parametrize("dtype, T, H, HV, gate, ctas", [
+    (torch.bfloat16, 64, 1, 2, "softplus", [[(0, 1, 0)], [(0, 0, 0)]]),  # GVA, the gate in the kernel
+    (torch.float16, 128, 2, 2, "none", [[(1, 1, 0)]]),  # a given gate, the second chunk of head 1
+], ids=["bf16_gva_gate", "fp16_given_gate"])
+def test_l2norm_in_the_kernel(ptx, dtype, T, H, HV, gate, ctas):
+    """l2norm=True: the kernel reads raw q, k (norms far from 1), L2-normalizes them in smem and
+    writes them out with their rstds: bitwise kda_cute_l2norm_fwd's PTX on the same q, k (and
+    within one io ulp of the float64 reference, the rstds within fp32 rounding), on the emulated
+    CTAs' rows only (the rest stays NaN); every other output bitwise what the kernel without the
+    flag gives on those normalized q, k. GVA (HV = 2H): the group's second CTA, run alone, writes
+    none of the four (only hv % (HV // H) == 0 does)."""
+    from kda_cute import l2norm_fwd as L2
+    from ptxsim.kda_l2norm import emulate_l2norm_fwd
+
+    a = prep_inputs(B=1, T=T, H=H, HV=HV, V=64, dtype=dtype, seed=7, gate=gate,
+                    g_dtype=torch.bfloat16 if gate != "none" else torch.float32,
+                    beta_dtype=torch.float32 if dtype == torch.float16 else None)
+    gen = torch.Generator().manual_seed(8)
+    a[0] = (3.0 * torch.randn(a[0].shape, generator=gen)).to(dtype)
+    a[1] = (0.2 * torch.randn(a[1].shape, generator=gen)).to(dtype)
+    text = ptx(P.compile_for(*a, SCALE, want_qg=True, keep_ptx=True, l2norm=True))
+    assert ".local" not in text.split(".entry", 1)[1], "register arrays fell to local memory"
+    runs = [emulate_prep(text, a, want_qg=True, ctas=c, l2norm=True) for c in ctas]
+    if HV > H:  # the second CTA of the group, run alone: no q, k, rstd written
+        assert all(torch.isnan(x.float()).all() for x in runs[0][7:]), "a GVA group's second CTA wrote q / k"
+    got = runs[0]
+    for r in runs[1:]:  # the union of the runs (every output NaN where its CTA did not run)
+        got = [torch.where(torch.isnan(x.float()), y, x) for x, y in zip(got, r, strict=True)]
+
+    l2_text = ptx(L2.compile_for(a[0], keep_ptx=True))
+    (qn, qr), (kn, kr) = emulate_l2norm_fwd(l2_text, a[0]), emulate_l2norm_fwd(l2_text, a[1])
+    (wq, wqr), (wk, wkr) = ref.l2norm_fwd(a[0].double()), ref.l2norm_fwd(a[1].double())
+    rows = sorted({(b, tx * 64, hv // (HV // H)) for c in ctas for tx, hv, b in c})
+    written = torch.zeros(1, T, H, dtype=torch.bool)
+    for b, t0, h in rows:
+        written[b, t0:t0 + 64, h] = True
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    for name, x, want, w64 in zip(L2_NAMES, got[7:], (qn, kn, qr, kr), (wq, wk, wqr, wkr), strict=True):
+        assert torch.isnan(x.float()[~written]).all(), f"{name} written outside the CTAs' rows"
+        x, want, w64 = x[written], want[written], w64[written]
+        assert torch.equal(x, want), f"{name} differs from kda_cute_l2norm_fwd's"
+        if x.dtype == torch.float32:
+            assert ((x.double() - w64).abs() <= 1e-5 * w64.abs()).all(), name
+        else:
+            w = w64.to(dtype).double()
+            assert ((x.double() - w).abs() <= ulp * w.abs()).all(), f"{name}: beyond one ulp"
+
+    b = list(a)
+    b[0], b[1] = qn, kn
+    plain = ptx(P.compile_for(*b, SCALE, want_qg=True, keep_ptx=True))
+    want = [None] * 7
+    for c in ctas:
+        r = emulate_prep(plain, b, want_qg=True, ctas=c)
+        want = list(r) if want[0] is None else [torch.where(torch.isnan(x.float()), y, x)
+                                                for x, y in zip(want, r, strict=True)]
+    for name, x, w in zip(NAMES, got[:7], want, strict=True):
+        assert torch.equal(_bits(x), _bits(w)), f"{name} differs from prep on the normalized q, k"
+
+
+def test_l2norm_contract_on_the_reference():
+    """fwd_prep(..., l2norm=True) on raw q, k is l2norm_fwd of each, then fwd_prep: its seven, then
+    q, k normalized and their rstds (the reference, as the chain's stage table calls it)."""
+    a = prep_inputs(B=1, T=128, H=1, HV=2, V=64, seed=9, gate="softplus")
+    d = [t.double() if torch.is_tensor(t) else t for t in a]
+    gen = torch.Generator().manual_seed(10)
+    d[0], d[1] = 2 * torch.randn(d[0].shape, generator=gen, dtype=torch.float64), d[1] * 3
+    got = ref.fwd_prep(*d, SCALE, 64, want_qg=True, l2norm=True)
+    (qn, qr), (kn, kr) = ref.l2norm_fwd(d[0]), ref.l2norm_fwd(d[1])
+    want = (*ref.fwd_prep(qn, kn, *d[2:], SCALE, 64, want_qg=True), qn, kn, qr, kr)
+    assert len(got) == 11
+    for x, w in zip(got, want, strict=True):
+        assert torch.equal(x, w)
+    assert P.is_supported(*a, SCALE, l2norm=True) == P.is_supported(*a, SCALE)

@@ -1,6 +1,7 @@
 """kda_cute_bwd_chunk: the whole chunk-parallel backward after the two scans on sm_90, one kernel
 (fla 0.6.0's `chunk_kda_bwd_wy_dqkg_fused` + `chunk_kda_bwd_dAv`'s dA + `chunk_kda_bwd_intra` +
-the reverse `chunk_local_cumsum` of dg; the chain's stage `bwd_chunk`).
+the reverse `chunk_local_cumsum` of dg, and with the gate in the op `kda_gate_bwd`; the chain's
+stage `bwd_chunk`).
 
 Per chunk of BT = 64 tokens and value head hv, from the scans' h, dh, v_new, dv and the recomputed
 factors (gk, Akk), every gradient of the chunk-parallel backward:
@@ -14,6 +15,15 @@ factors (gk, Akk), every gradient of the chunk-parallel backward:
         (fla's l2norm_bwd: dx = dy r - y (dy . y) r, y the normalized q / k this kernel reads), so
         they are the gradients of the raw q / k, in q's dtype; the walk leaves them in smem (fp32)
         and a row pass (4 rows per warp) finishes them
+    with g, A_log (and dt_bias, lower_bound: use_gate_in_kernel): dg through fla's gate backward
+        (kda_gate_bwd; x = g + dt_bias, the raw gate): softplus form dg = -exp(A) dg sigmoid(x),
+        dA += dg (-exp(A) softplus(x)); lower_bound form s = sigmoid(exp(A) x), dg = dg lb s (1 - s)
+        exp(A), dA += dg x; ddt_bias += dg. The walk leaves the folded dg in smem (fp32), a row pass
+        (4 rows per warp, g's rows read as vectors) writes dg in g's dtype and each CTA its chunk's
+        fp32 partials dA_log [B, NT, HV], ddt_bias [B, NT, HV, K] (warps reduced in a fixed order
+        through the walk's dead dAqk tile: no atomics, bitwise repeatable); the host sums them over
+        (B, NT) with torch as fla sums its per-block ones (dA_log in A_log's dtype and shape,
+        ddt_bias [HV * K] in dt_bias's)
 
 The kernel is kda_cute_wy_dqkg's class compiled with `fused=True` (kda_cute.wy_dqkg's docstring
 has its CTA decomposition: 512 threads, the V walk in 64-wide tiles on bf16 mma.sync, the
@@ -30,8 +40,12 @@ Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (emit_bf16):
     write   dq, dk 1.074 GB, dg 1.074, dv2 1.074, db 0.008                              3.23 GB
     total   14.24 GB: 3.56 ms at 4.0 TB/s (kda_cute_wy_dqkg + kda_cute_intra: 16.39 + 8.61 GB)
 
+    with the gate (g bf16): read + g 0.537 GB, write dg in bf16 0.537 instead of fp32 1.074, the
+    partials 0.017: the same 14.26 GB
+
 What it removes: the fp32 dq, dk, dg, dAqk, dAkk that went out of wy_dqkg and back into intra
-(10.7 GB of traffic at that shape), and with the rstds the two l2norm_bwd passes: three launches.
+(10.7 GB of traffic at that shape), with the rstds the two l2norm_bwd passes, and with the gate
+fla's kda_gate_bwd (its g, fp32 dg in, dg out: 2.15 GB): four launches.
 
 Today (H200, 2026-12-02, bench/check_stage.py --stage bwd_chunk, the chain's flags, same run):
 7.954 ms at the reference shape (with l2norm_bwd) against our previous kda_cute_wy_dqkg +
@@ -46,7 +60,8 @@ and 16-byte aligned). This module is the stage's host side; the device code is w
 the shared intra walk, so neither part can drift from its standalone kernel.
 
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_bwd_chunk_compile.py) against
-float64 and against the two standalone kernels' PTX.
+float64 and against the two standalone kernels' PTX (the gate build: against the build without it
+followed by the gate's backward in fp32). The gate build is not timed on the H200 yet.
 """
 
 from __future__ import annotations
@@ -60,6 +75,7 @@ from . import wy_dqkg as _wy
 from ._common.cache import CallCache, alloc
 
 BT = _wy.BT
+G_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the raw gate's (dg_raw's) dtypes
 _cache = CallCache("kda_cute_bwd_chunk")
 
 
@@ -74,20 +90,53 @@ def _rstd_reason(q, v, q_rstd, k_rstd) -> str | None:
             or _warp.layout_reason(("q_rstd", "k_rstd"), (q_rstd, k_rstd)))
 
 
+def _gate_reason(gk, g, A_log, dt_bias) -> str | None:
+    """The gate's backward inside (A_log given): g the raw gate [B, T, HV, K] (fp32 / bf16 / fp16,
+    contiguous, 16-byte aligned), A_log of HV elements, dt_bias (optional) of HV * K; or why not."""
+    if A_log is None:
+        return None if g is None and dt_bias is None else "the gate's backward inside needs A_log"
+    if g is None:
+        return "the gate's backward inside needs the raw gate g"
+    HV, K = gk.shape[2], gk.shape[3]
+    if tuple(g.shape) != tuple(gk.shape):
+        return f"g must be [B,T,HV,K] = {tuple(gk.shape)}; got {tuple(g.shape)}"
+    if g.dtype not in G_DTYPES:
+        return f"g dtype {g.dtype} (fp32 / bf16 / fp16 expected)"
+    if A_log.numel() != HV or not A_log.is_floating_point():
+        return f"A_log must be {HV} floats (one per value head); got {tuple(A_log.shape)} {A_log.dtype}"
+    if dt_bias is not None and (dt_bias.numel() != HV * K or not dt_bias.is_floating_point()):
+        return f"dt_bias must be HV*K={HV * K} floats; got {tuple(dt_bias.shape)} {dt_bias.dtype}"
+    others = (A_log,) if dt_bias is None else (A_log, dt_bias)
+    if any(t.device != g.device for t in others):
+        return "A_log / dt_bias on another device than g"
+    return _warp.layout_reason(("g", "gk"), (g, gk))
+
+
 def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
-                 k_rstd=None) -> str | None:
+                 k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None) -> str | None:
     """None when `bwd_chunk` runs the CuTe kernel on these arguments, else the reason it would not."""
     return (_wy._hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
-            or _rstd_reason(q, v, q_rstd, k_rstd))
+            or _rstd_reason(q, v, q_rstd, k_rstd) or _gate_reason(gk, g, A_log, dt_bias))
 
 
-def _config(q, v, beta, scale, emit_bf16, l2norm) -> _wy.WyDqkgConfig:
+def _gate_form(A_log, lower_bound) -> str:
+    if A_log is None:
+        return "none"
+    return "softplus" if lower_bound is None else "lower_bound"
+
+
+def _config(q, v, beta, scale, emit_bf16, l2norm, g=None, A_log=None, dt_bias=None,
+            lower_bound=None) -> _wy.WyDqkgConfig:
+    gate = _gate_form(A_log, lower_bound)
+    on = gate != "none"
     return dataclasses.replace(_wy._config(q, v, beta, scale, True), fused=True, emit_bf16=bool(emit_bf16),
-                               l2norm=bool(l2norm))
+                               l2norm=bool(l2norm), gate=gate, gate_bias=on and dt_bias is not None,
+                               lower_bound=float(lower_bound or 0.0), g_dtype=_warp.DT[g.dtype] if on else "")
 
 
-def _outputs(q, v, emit_bf16, device, l2norm=False):
-    """dq, dk (q's dtype with emit_bf16 or l2norm, else fp32), dv2, db, dg: fresh."""
+def _outputs(q, v, emit_bf16, device, l2norm=False, g=None):
+    """dq, dk (q's dtype with emit_bf16 or l2norm, else fp32), dv2, db, dg (fp32; with the gate,
+    g being given, g's dtype: dg_raw): fresh."""
     B, T, HV, V = v.shape
     K = q.shape[3]
     qk = q.dtype if emit_bf16 or l2norm else torch.float32
@@ -96,44 +145,103 @@ def _outputs(q, v, emit_bf16, device, l2norm=False):
         alloc((B, T, HV, K), qk, device),  # dk
         alloc((B, T, HV, V), v.dtype, device),  # dv2
         alloc((B, T, HV), torch.float32, device),  # db
-        alloc((B, T, HV, K), torch.float32, device),  # dg
+        alloc((B, T, HV, K), torch.float32 if g is None else g.dtype, device),  # dg
     )
 
 
-def _kernel_args(inputs, outs, q_rstd=None, k_rstd=None):
-    """The class's eighteen tensors: the eleven inputs, dq, dk, dv2, db, dg, then q_rstd, k_rstd in
-    the dAkk / dAqk slots (without them dg's storage stands in: never read)."""
+def _partials(v, K, dt_bias, device):
+    """The gate's per-chunk partials: dA_log [B, NT, HV] and (with dt_bias) ddt_bias [B, NT, HV, K],
+    fp32, every entry written by its CTA."""
+    B, T, HV, _ = v.shape
+    NT = T // BT
+    dA = alloc((B, NT, HV), torch.float32, device)
+    dbias = alloc((B, NT, HV, K), torch.float32, device) if dt_bias is not None else None
+    return dA, dbias
+
+
+def _aligned(t):
+    """t contiguous and 16-byte aligned (a copy only when it is not)."""
+    return t.contiguous() if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(
+        memory_format=torch.contiguous_format)
+
+
+def _kernel_args(inputs, outs, q_rstd=None, k_rstd=None, gate=None):
+    """The class's 23 tensors: the eleven inputs, dq, dk, dv2, db, dg, then q_rstd, k_rstd in the
+    dAkk / dAqk slots, then the gate's g, A_log [1, HV] fp32, dt_bias [HV, K] fp32, the dA_log and
+    ddt_bias partials; `gate` = (g, A_log, dt_bias, dA partials, dbias partials) or None. Where a
+    tensor is not given (no rstds, no gate, no dt_bias) dg's storage stands in: never read."""
+    dg = outs[4]
     if q_rstd is None:
-        q_rstd = k_rstd = outs[4]
-    return (*inputs, *outs, q_rstd, k_rstd)
+        q_rstd = k_rstd = dg
+    if gate is None:
+        gt = (dg,) * 5
+    else:
+        g, A_log, dt_bias, dA, dbias = gate
+        HV, K = g.shape[2], g.shape[3]
+        a = _aligned(A_log.detach().float().reshape(1, HV))
+        if dt_bias is None:
+            bias = dbias = dg
+        else:
+            bias = _aligned(dt_bias.detach().float().reshape(HV, K))
+        gt = (g, a, bias, dA, dbias)
+    return (*inputs, *outs, q_rstd, k_rstd, *gt)
+
+
+def _reduce(dA, dbias, A_log, dt_bias):
+    """dA_log, ddt_bias from the per-chunk partials, summed with torch over (B, NT) as fla sums its
+    per-block ones: dA_log shaped as A_log in its dtype, ddt_bias [HV * K] in dt_bias's."""
+    HV = dA.shape[2]
+    dA_log = dA.view(-1, HV).sum(0).view_as(A_log).to(A_log.dtype)
+    ddt = None
+    if dt_bias is not None:
+        ddt = dbias.view(-1, dbias.shape[2] * dbias.shape[3]).sum(0).to(dt_bias.dtype)
+    return dA_log, ddt
+
+
+def _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
+             k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, device=None):
+    """(config, the five outputs, the gate's partials or None, the kernel's tensors): fresh."""
+    device = q.device if device is None else device
+    l2 = q_rstd is not None
+    on = A_log is not None
+    cfg = _config(q, v, beta, scale, emit_bf16, l2, g, A_log, dt_bias, lower_bound)
+    outs = _outputs(q, v, emit_bf16, device, l2, g if on else None)
+    parts = _partials(v, q.shape[3], dt_bias, device) if on else None
+    gate = (g, A_log, dt_bias, *parts) if on else None
+    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs, q_rstd, k_rstd, gate)
+    return cfg, outs, parts, args
 
 
 def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
-                k_rstd=None, keep_ptx=False):
+                k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
-    l2 = q_rstd is not None
-    cfg = _config(q, v, beta, scale, emit_bf16, l2)
-    outs = _outputs(q, v, emit_bf16, q.device, l2)
-    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs, q_rstd, k_rstd)
+    cfg, _, _, args = _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd,
+                               g, A_log, dt_bias, lower_bound)
     build = lambda views, stream, opts: _wy._build(views, stream, cfg, opts)  # noqa: E731
     return _warp.compile_only(build, args, keep_ptx)
 
 
-def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None, k_rstd=None):
-    """wy_dqkg (want_dAqk) then intra (fold_dg) in one kernel -> (dq, dk, dv2, db, dg); with q_rstd,
-    k_rstd also l2norm_bwd of dq, dk. Fresh outputs."""
-    reason = is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd)
+def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None, k_rstd=None,
+              g=None, A_log=None, dt_bias=None, lower_bound=None):
+    """wy_dqkg (want_dAqk) then intra (fold_dg) in one kernel -> (dq, dk, dv2, db, dg, dA_log,
+    ddt_bias); with q_rstd, k_rstd also l2norm_bwd of dq, dk; with A_log (and the raw gate g) also
+    fla's gate backward (dg then g's gradient, in g's dtype), else dA_log, ddt_bias None. Fresh
+    outputs."""
+    reason = is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd,
+                          g, A_log, dt_bias, lower_bound)
     if reason is not None:
         raise ValueError(f"kda_cute.bwd_chunk.bwd_chunk: unsupported call: {reason}")
-    return launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd)
+    return launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd,
+                  g, A_log, dt_bias, lower_bound)
 
 
-def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None, k_rstd=None):
+def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None, k_rstd=None,
+           g=None, A_log=None, dt_bias=None, lower_bound=None):
     """`bwd_chunk` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    l2 = q_rstd is not None
-    outs = _outputs(q, v, emit_bf16, q.device, l2)
-    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs, q_rstd, k_rstd)
-    cfg = _config(q, v, beta, scale, emit_bf16, l2)
+    cfg, outs, parts, args = _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd,
+                                      k_rstd, g, A_log, dt_bias, lower_bound)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _wy._build(views, stream, cfg, opts))
-    return outs
+    if parts is None:
+        return (*outs, None, None)
+    return (*outs, *_reduce(*parts, A_log, dt_bias))

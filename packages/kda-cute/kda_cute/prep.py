@@ -1,6 +1,14 @@
 """kda_cute_prep: the forward's chunk-parallel stage on sm_90 (fla 0.6.0's `kda_gate_chunk_cumsum`
 and `chunk_kda_fwd_intra`: the gate and its chunk-local cumsum, token-parallel intra, inter +
-solve_tril, recompute_w_u; the chain's stage `fwd_prep`).
+solve_tril, recompute_w_u; the chain's stage `fwd_prep`), and with `l2norm` (compiled in) fla's
+`l2norm_fwd` of q and k first.
+
+With l2norm, q and k are the raw ones: each row's rstd = 1 / sqrt(sum x^2 + 1e-6) (fp32) and
+x <- io(x rstd), kda_cute_l2norm_fwd's arithmetic in its order (bitwise its output); everything
+below reads those rounded normalized rows (bitwise l2norm_fwd, then this kernel without the flag),
+and q, k normalized [B, T, H, K] (io) and q_rstd, k_rstd [B, T, H] (fp32) go out, for fwd_scan and
+the backward. With GVA every CTA of a group normalizes its smem copy; only hv % (HV / H) == 0
+writes them.
 
 Per chunk of BT = 64 tokens and value head hv: the step gate (fla's forms: -exp(A_log)
 softplus(g + dt_bias); lower_bound sigmoid(exp(A_log) (g + dt_bias)); or g itself) and
@@ -21,7 +29,10 @@ arithmetic). Phases, each ended by a barrier:
      a warp's load is one whole row), computes the step gate and its running sum down its 8 rows
      (registers), and stores the group's totals to smem; after the barrier it adds the totals of
      the groups above it (in group order), scales by 1 / ln 2 and writes the g tile and gk
-     (16-byte rows); kg and qg out.
+     (16-byte rows); with l2norm, in the same barrier interval (after the gate's join: its
+     registers are dead), each warp normalizes q and k rows wid, wid + 8, .. in place (a lane per
+     4 columns, a 5-step butterfly; 8-byte smem and global rows); after the next barrier kg and
+     qg out.
   1. A and L, every exp2 argument <= 0 for any gate <= 0 (g falls along the chunk): warps 0-5 the
      six 16 x 16 blocks below the diagonal blocks, one per warp, as tf32 mma.sync m16n8k8 (fla's
      tl.dot precision), operands computed into registers anchored at the source block's last
@@ -53,19 +64,25 @@ Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, want_qg):
     read    q, k 1.074 GB, g 0.537, v 1.074, beta 0.004                         2.69 GB
     write   gk 1.074 GB, w, qg, kg 1.611, u 1.074, Aqk, Akk 0.537              4.30 GB
     total   6.99 GB: 1.75 ms at 4.0 TB/s
+    l2norm  + write q, k normalized 1.074 GB, rstds 0.017: 8.08 GB, 2.02 ms (it replaces two
+            kda_cute_l2norm_fwd launches: read q, k 1.074 + write 1.091 GB; one read of q, k saved)
 
 Constraints: K = 128; V % 64 == 0; T % 64 == 0 (a ragged last chunk is refused); HV % H == 0;
 q, k, v one dtype (bf16 or fp16); g fp32 / bf16 / fp16; beta bf16 / fp16 / fp32; contiguous,
 16-byte aligned; no varlen; with the gate in the kernel an A_log of HV elements (dt_bias optional,
-HV * K). `scale`, `want_qg`, the gate form and lower_bound are part of the compile key.
+HV * K). `scale`, `want_qg`, `l2norm`, the gate form and lower_bound are part of the compile key.
+Registers (ptxas 13.0, -arch=sm_90a, V256): 108 without l2norm, 116 with (<= 128: two CTAs per SM
+stay), no spills; smem unchanged (the normalization is in place).
 
 Today (H200, 2026-12-02, bench/check_stage.py --stage fwd_prep): 3.559 ms vs fla's gate cumsum +
 fwd_intra 5.405 at the reference shape (1.52x; 2.0x over the byte floor above), 3.162 vs 5.058 at
 B16 T8192 H16 K=V=128 (1.60x), 0.231 vs 0.397 at B2 T4096 (1.72x);
 every output's error vs float64 equal to fla's, bitwise repeatable (bench/results/prep.md).
+All without l2norm; with it (the chain's default flags since the fused forward): not yet measured.
 
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_prep_compile.py, ptxsim.kda_prep)
-against float64 and fla's roundings, and on the H200 against float64 and fla
+against float64 and fla's roundings (with l2norm: bitwise kda_cute_l2norm_fwd, then the kernel
+without it), and on the H200 against float64 and fla
 (bench/check_stage.py, the chain's GPU tests). History and what next: docs/perf/prep.md.
 """
 
@@ -91,6 +108,7 @@ APAD = 8  # Aqk staging rows (elements)
 RG = 8  # the gate's rows per thread (phase 0): a row group per warp
 NRG = BT // RG  # row groups
 CG = THREADS // NRG  # 4-column groups: a lane each
+EPS = 1e-6  # the L2 norm's (fla's l2norm eps; kda_cute.l2norm_fwd's)
 
 _cache = CallCache("kda_cute_prep")
 
@@ -104,8 +122,10 @@ class KdaPrep:
     """See the module docstring. io: q / k / v dtype; beta_dtype: beta's; gate: one of GATES."""
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_qg: bool,
-                 gate: str, has_bias: bool, lower_bound: float, recompute: bool = False):
+                 gate: str, has_bias: bool, lower_bound: float, recompute: bool = False,
+                 l2norm: bool = False):
         self.recompute = recompute  # kda_cute_bwd_prep: Akk read, not solved (module kda_cute.bwd_prep)
+        self.l2norm = l2norm and not recompute  # q, k read raw and L2-normalized in phase 0 (fwd only)
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -187,12 +207,17 @@ def _build_kernel_class():
             mAqk: cute.Tensor,  # [B, T, HV, BT] io (recompute: a stand-in, never written)
             mAkk: cute.Tensor,  # [B, T, HV, BT] io (recompute: the input)
             mGk: cute.Tensor,  # [B, T, HV, K] f32
+            mQn: cute.Tensor,  # with l2norm: [B, T, H, K] io, q normalized (else q: a stand-in, unwritten)
+            mKn: cute.Tensor,  # with l2norm: [B, T, H, K] io, k normalized (else k)
+            mQr: cute.Tensor,  # with l2norm: [B, T, H] f32, q's rstd (else a stand-in, unread)
+            mKr: cute.Tensor,  # with l2norm: [B, T, H] f32, k's rstd
             stream,
         ):
             B = cute.size(mG, mode=[0])
             T_ = cute.size(mG, mode=[1])
             HV = cute.size(mG, mode=[2])
-            args = (mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk)
+            args = (mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk,
+                    mQn, mKn, mQr, mKr)
             if cutlass.const_expr(self.recompute):
                 kernel = self.kda_cute_bwd_prep(*args)
             else:
@@ -362,6 +387,32 @@ def _build_kernel_class():
                 cute.make_tensor(mGk[b, row0 + r, hv, None].iterator, rowv)[cg, None].store(vec)
 
         @cute.jit
+        def _l2norm_rows(self, sX, mY, mR, b, h, row0, wid, lane, writer):
+            """Rows wid, wid + 8, .. of the chunk's q (or k) tile in smem L2-normalized in place, with
+            kda_cute_l2norm_fwd's arithmetic in its order (bitwise its output): a lane per K / 32
+            adjacent columns, the squares summed in the lane, then a 5-step butterfly; rstd = 1 /
+            sqrt(sum + 1e-6) in fp32 (IEEE sqrt and division), x <- io(x rstd). With `writer` (the
+            first CTA of the GVA group) the rows go out to mY and the rstds to mR."""
+            KP = self.K // 32
+            sXp = cute.make_tensor(sX.iterator, cute.make_layout((BT, 32, KP), stride=(self.K + QPAD, KP, 1)))
+            rowv = cute.make_layout((32, KP), stride=(KP, 1))
+            for i in cutlass.range_constexpr(BT // 8):
+                r = wid + 8 * i
+                x = sXp[r, lane, None].load().to(f32)
+                ss = f32(0.0)
+                for j in cutlass.range_constexpr(KP):
+                    ss = ss + x[j] * x[j]
+                for off in (16, 8, 4, 2, 1):
+                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=off)
+                rs = 1.0 / cute.math.sqrt(ss + EPS)
+                y = (x * rs).to(self.io_dtype)
+                sXp[r, lane, None].store(y)
+                if writer:
+                    cute.make_tensor(mY[b, row0 + r, h, None].iterator, rowv)[lane, None].store(y)
+                    if lane == 0:
+                        mR[b, row0 + r, h] = rs
+
+        @cute.jit
         def _invert_diagonal(self, sL, sX, t):
             """Column t % 16 of diagonal block t / 16 of X = (I + L)^-1 by forward substitution
             (x above the column stays zero)."""
@@ -409,26 +460,34 @@ def _build_kernel_class():
         def kda_cute_prep(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                           mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor, mW: cute.Tensor,
                           mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
-                          mAkk: cute.Tensor, mGk: cute.Tensor):
-            self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk)
+                          mAkk: cute.Tensor, mGk: cute.Tensor, mQn: cute.Tensor, mKn: cute.Tensor,
+                          mQr: cute.Tensor, mKr: cute.Tensor):
+            self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn, mQr,
+                       mKr)
 
         @cute.kernel
         def kda_cute_bwd_prep(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                               mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor, mW: cute.Tensor,
                               mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
-                              mAkk: cute.Tensor, mGk: cute.Tensor):
+                              mAkk: cute.Tensor, mGk: cute.Tensor, mQn: cute.Tensor, mKn: cute.Tensor,
+                              mQr: cute.Tensor, mKr: cute.Tensor):
             """The backward's recompute (kda_cute.bwd_prep): phases 0, 3 (without the solve's
-            outputs) and 4 with Akk read into the A operand's tile."""
-            self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk)
+            outputs) and 4 with Akk read into the A operand's tile (no L2 norm: the four last
+            tensors are stand-ins, untouched)."""
+            self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn, mQr,
+                       mKr)
 
         @cute.jit
-        def _body(self, mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk):
+        def _body(self, mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn,
+                  mQr, mKr):
             K = self.K
             NV = self.NV
             io = self.io_dtype
             mQ, mK, mV, mW, mU, mQg, mKg, mAqk, mAkk = (
                 _warp.gmem(t) for t in (mQ, mK, mV, mW, mU, mQg, mKg, mAqk, mAkk))
             mG, mGk = _warp.gmem(mG), _warp.gmem(mGk)  # the gate's vector rows (16-byte aligned)
+            if cutlass.const_expr(self.l2norm):
+                mQn, mKn = _warp.gmem(mQn), _warp.gmem(mKn)
             tidx, _, _ = cute.arch.thread_idx()
             t_idx, hv, b = cute.arch.block_idx()
             h = hv // self.gsize
@@ -510,6 +569,10 @@ def _build_kernel_class():
             cute.arch.cp_async_wait_group(len(groups))  # q, k (and Akk); not the V tiles
             cute.arch.sync_threads()
             self._gate_join(sG4, sTot4, grun, mGk, b, hv, row0, tidx)
+            if cutlass.const_expr(self.l2norm):  # q, k normalized in place (before any reader: the barrier)
+                writer = hv % self.gsize == 0  # one CTA of a GVA group writes q, k and the rstds
+                self._l2norm_rows(sQ, mQn, mQr, b, h, row0, wid, lane, writer)
+                self._l2norm_rows(sK, mKn, mKr, b, h, row0, wid, lane, writer)
             cute.arch.sync_threads()
 
             # 16-byte stores of 8 x 16-bit values: smem / gmem rows of a (rows, 64 or K) tile
@@ -715,8 +778,9 @@ def _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_siz
 
 
 def is_supported(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
-                 want_qg=False) -> str | None:
-    """None when `fwd_prep` runs the CuTe kernel on these arguments, else the reason it would not."""
+                 want_qg=False, l2norm=False) -> str | None:
+    """None when `fwd_prep` runs the CuTe kernel on these arguments, else the reason it would not
+    (l2norm changes nothing: the L2 norm takes every q, k the kernel takes)."""
     return _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size)
 
 
@@ -739,20 +803,27 @@ class PrepConfig:
     lower_bound: float
     arch: str
     recompute: bool = False  # kda_cute_bwd_prep (kda_cute.bwd_prep)
+    l2norm: bool = False  # q, k given raw: L2-normalized in the kernel, written out with their rstds (fwd)
 
 
-def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg) -> PrepConfig:
+def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg,
+            l2norm=False) -> PrepConfig:
     gate = _gate(use_gate_in_kernel, lower_bound)
     return PrepConfig(DT[q.dtype], DT[beta.dtype], DT[g.dtype], q.shape[3], v.shape[3], q.shape[2],
                       v.shape[2], float(scale), bool(want_qg), gate, gate != "none" and dt_bias is not None,
-                      float(lower_bound or 0.0), compile_arch())
+                      float(lower_bound or 0.0), compile_arch(), l2norm=bool(l2norm))
 
 
-def _outputs(q, v, want_qg, device):
-    """gk (fp32), then w, u, qg (None unless want_qg), kg, Aqk, Akk in q's dtype: fresh."""
+def _outputs(q, v, want_qg, device, l2norm=False):
+    """gk (fp32), then w, u, qg (None unless want_qg), kg, Aqk, Akk in q's dtype, and with l2norm
+    q, k normalized (q's dtype, [B, T, H, K]) and their rstds ([B, T, H] fp32): fresh."""
     B, T, HV, V = v.shape
-    K = q.shape[3]
+    H, K = q.shape[2], q.shape[3]
     io = q.dtype
+    l2 = ()
+    if l2norm:
+        l2 = (alloc((B, T, H, K), io, device), alloc((B, T, H, K), io, device),
+              alloc((B, T, H), torch.float32, device), alloc((B, T, H), torch.float32, device))
     return (
         alloc((B, T, HV, K), torch.float32, device),  # gk
         alloc((B, T, HV, K), io, device),  # w
@@ -761,18 +832,22 @@ def _outputs(q, v, want_qg, device):
         alloc((B, T, HV, K), io, device),  # kg
         alloc((B, T, HV, BT), io, device),  # Aqk
         alloc((B, T, HV, BT), io, device),  # Akk
+        *l2,  # q, k normalized, q_rstd, k_rstd
     )
 
 
 def _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg: PrepConfig, outs):
-    """The kernel's fourteen tensors. A_log [1, HV] and dt_bias [HV, K] in fp32 (a view when they
+    """The kernel's eighteen tensors. A_log [1, HV] and dt_bias [HV, K] in fp32 (a view when they
     are already); where the kernel does not read them, gk's storage stands in (2-D, fp32). Without
-    want_qg kg's storage stands in for qg (never written)."""
-    gk, w, u, qg, kg, aqk, akk = outs
+    want_qg kg's storage stands in for qg (never written). `outs`: `_outputs`' (seven, or eleven
+    with l2norm); without the L2 norm's four, q and k stand in for the normalized q, k and gk's
+    storage for the rstds (never touched)."""
+    gk, w, u, qg, kg, aqk, akk = outs[:7]
     stand_in = gk.view(-1, gk.shape[-1])
     a = _aligned(A_log.detach().float().reshape(1, -1)) if cfg.gate != "none" else stand_in
     bias = _aligned(dt_bias.detach().float().reshape(cfg.HV, cfg.K)) if cfg.has_bias else stand_in
-    return (q, k, v, g, beta, a, bias, w, u, kg if qg is None else qg, kg, aqk, akk, gk)
+    l2 = tuple(outs[7:]) if cfg.l2norm else (q, k, stand_in, stand_in)
+    return (q, k, v, g, beta, a, bias, w, u, kg if qg is None else qg, kg, aqk, akk, gk, *l2)
 
 
 def _aligned(t):
@@ -787,35 +862,37 @@ def _build(views, stream, cfg: PrepConfig, options: str = ""):
 
     kern = _kernel_class()(
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
-        cfg.want_qg, cfg.gate, cfg.has_bias, cfg.lower_bound, cfg.recompute,
+        cfg.want_qg, cfg.gate, cfg.has_bias, cfg.lower_bound, cfg.recompute, cfg.l2norm,
     )
     return cute.compile(kern, *views, stream, options=options)
 
 
 def compile_for(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg=True,
-                keep_ptx=False):
+                keep_ptx=False, l2norm=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
-    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg)
-    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, _outputs(q, v, want_qg, q.device))
+    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm)
+    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, _outputs(q, v, want_qg, q.device, l2norm))
     return _warp.compile_only(lambda views, stream, opts: _build(views, stream, cfg, opts), args, keep_ptx)
 
 
 def fwd_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
-             want_qg=False):
+             want_qg=False, l2norm=False):
     """fla's gate_chunk_cumsum + chunk_kda_fwd_intra (chunk 64) in one kernel -> (gk, w, u, qg or
-    None, kg, Aqk, Akk), fresh outputs. Raises ValueError on a call the kernel cannot compute."""
+    None, kg, Aqk, Akk), fresh outputs; with l2norm, q and k are the raw ones: fla's l2norm_fwd of
+    both first, in the kernel, and its outputs follow (q, k normalized, q_rstd, k_rstd). Raises
+    ValueError on a call the kernel cannot compute."""
     reason = _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size)
     if reason is not None:
         raise ValueError(f"kda_cute.prep.fwd_prep: unsupported call: {reason}")
     return launch(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size,
-                  want_qg)
+                  want_qg, l2norm)
 
 
 def launch(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
-           want_qg=False):
+           want_qg=False, l2norm=False):
     """`fwd_prep` without its checks: for a caller whose `is_supported` just said None."""
-    outs = _outputs(q, v, want_qg, q.device)
-    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg)
+    outs = _outputs(q, v, want_qg, q.device, l2norm)
+    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm)
     args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _build(views, stream, cfg, opts))
     return outs

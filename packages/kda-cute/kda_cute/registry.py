@@ -11,9 +11,10 @@ A record says what a stage is to the rest of the project, without importing the 
     flags       keyword flags the chain passes to the CuTe kernel only (fla's function lacks them)
     module      the kernel module's name when it is not the stage's (default: the stage's)
     replaces    the stages this one can compute in its one kernel: once it ran its CuTe kernel, the
-                chain may not call them (bwd_wy_dqkg and intra are its "split" fallback; l2norm_bwd
-                is folded in where HV == H), so they are not expected; one that is called must still
-                run its CuTe kernel
+                chain may not call them (bwd_chunk's: bwd_wy_dqkg and intra are its "split" fallback,
+                l2norm_bwd is folded in where HV == H, gate_bwd with the gate in the op; fwd_prep's:
+                l2norm_fwd), so they are not expected; one that is called must still run its CuTe
+                kernel
 
 Derived from `STAGES`: the chain's stage table (`kda_chain.stages`: CuTe kernel, then fla, then
 the reference), `kda_chain.is_supported`, the witness's expected kernels (registered by the
@@ -154,7 +155,9 @@ def _probe_l2norm_bwd(d: Dims) -> tuple:
 
 STAGES: tuple[CuteStage, ...] = (
     CuteStage("l2norm_fwd", "l2norm_fwd", ("kda_cute_l2norm_fwd",), _probe_l2norm_fwd),
-    CuteStage("fwd_prep", "fwd_prep", ("kda_cute_prep",), _probe_fwd_prep, module="prep"),
+    # with the L2 norm in the op the chain hands it raw q, k (l2norm=True): l2norm_fwd inside
+    CuteStage("fwd_prep", "fwd_prep", ("kda_cute_prep",), _probe_fwd_prep, module="prep",
+              replaces=("l2norm_fwd",)),
     CuteStage("fwd", "fwd_scan", ("kda_cute_fwd",), _probe_fwd),
     CuteStage("bwd_prep", "bwd_prep", ("kda_cute_bwd_prep",), _probe_bwd_prep),
     CuteStage("b1", "fwd_h", ("kda_cute_b1",), _probe_b1),
@@ -162,10 +165,10 @@ STAGES: tuple[CuteStage, ...] = (
     CuteStage("bwd_wy_dqkg", "bwd_wy_dqkg", ("kda_cute_wy_dqkg",), _probe_wy_dqkg, flags=("want_dAqk",),
               module="wy_dqkg"),
     CuteStage("intra", "bwd_intra", ("kda_cute_intra",), _probe_intra, flags=("fold_dg", "emit_bf16")),
-    # bwd_wy_dqkg + bwd_dAv's dA + intra (fold_dg) in one kernel; where it does not run, the chain
-    # runs the two stages above
+    # bwd_wy_dqkg + bwd_dAv's dA + intra (fold_dg) in one kernel (with the rstds l2norm_bwd, with
+    # A_log gate_bwd too); where it does not run, the chain runs the two stages above
     CuteStage("bwd_chunk", "bwd_chunk", ("kda_cute_bwd_chunk",), _probe_wy_dqkg, flags=("emit_bf16",),
-              replaces=("bwd_wy_dqkg", "intra", "l2norm_bwd")),
+              replaces=("bwd_wy_dqkg", "intra", "l2norm_bwd", "gate_bwd")),
     CuteStage("l2norm_bwd", "l2norm_bwd", ("kda_cute_l2norm_bwd",), _probe_l2norm_bwd),
 )
 BY_NAME: dict[str, CuteStage] = {s.name: s for s in STAGES}

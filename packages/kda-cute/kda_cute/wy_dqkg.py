@@ -43,8 +43,12 @@ epilogue, but dq, dk, dg, dAqk, dAkk (fp32) and db go to smem, and the intra wal
 group) runs on them in the same CTA, writing the final dq, dk, db and folded dg. Its smem is one
 146.5 KB region (the R_* offsets below: the ring, then the epilogue's tiles, then the walk's
 operands; two extra barriers where a tile takes a dead one's place) plus q, k in the walk's
-padded rows and gk: ~219 KB. With that kernel in the chain, kda_cute_wy_dqkg itself runs only in
-bwd_chunk's "split" fallback.
+padded rows and gk: ~219 KB. With l2norm / the gate (kda_cute.bwd_chunk's docstring) the walk
+leaves dq, dk / dg in their smem tiles and row passes (`_l2norm_rows`, `_gate_rows`: a warp per 4
+rows, a lane per 4 columns) finish them after one more barrier; the gate's per-warp partials take
+the dead dAqk tile (R_AQ: 8.3 KB of its 17 KB). The fused class (`_Fused`) takes five more tensors
+(the gate's); the standalone kernel's PTX is unchanged. With that kernel in the chain,
+kda_cute_wy_dqkg itself runs only in bwd_chunk's "split" fallback.
 
 Layouts: global as fla (q, k [B, T, H, K]; v-like [B, T, HV, V]; gk and the K outputs [B, T, HV,
 K]; Akk / dAkk / dAqk [B, T, HV, 64], row = token; h, dh [B, NT, HV, K, V], K-major rows of V).
@@ -89,6 +93,9 @@ from ._intra_walk import walk_class
 from ._warp import BT, BV, DT
 
 THREADS = 512
+GATES = ("none", "softplus", "lower_bound")  # fused: the gate backward inside (fla's two forms)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 STAGES = 2
 SUPPORTED_K = (128,)
 GPAD = 8  # gk smem row padding (floats): conflict-free pair reads at mma C positions
@@ -112,7 +119,8 @@ class KdaWyDqkg:
     """See the module docstring. io: the 16-bit operand dtype; beta_dtype: beta's."""
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_dAqk: bool,
-                 fused: bool = False, l2norm: bool = False):
+                 fused: bool = False, l2norm: bool = False, gate: str = "none", gate_bias: bool = False,
+                 lower_bound: float = 0.0):
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -123,6 +131,10 @@ class KdaWyDqkg:
         self.fused = fused  # kda_cute_bwd_chunk: the intra walk follows in the same CTA
         self.l2norm = l2norm  # fused: dq, dk through q / k's L2 norm backward before they leave
         self.want_dAqk = want_dAqk or fused
+        # fused: fla's gate backward (kda_gate_bwd) of the folded dg before it leaves (GATES)
+        self.gate = gate
+        self.gate_bias = gate_bias  # with a dt_bias (its partial gradient out per chunk)
+        self.lower_bound = float(lower_bound)
         # the intra walk's parameters (kda_cute._intra_walk): 4 groups of K threads, one 16-row
         # block each; its smem operands in this kernel's strides
         self.fold_dg = True
@@ -182,13 +194,9 @@ def _build_kernel_class():
             B = cute.size(mG, mode=[0])
             T = cute.size(mG, mode=[1])
             HV = cute.size(mG, mode=[2])
-            if cutlass.const_expr(self.fused):  # mDA, mDAq: q_rstd, k_rstd (l2norm), else dg stand-ins
-                kernel = self.kda_cute_bwd_chunk(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk,
-                                                 mDv2, mDb, mDg, mDA, mDAq)
-            else:
-                kernel = self.kda_cute_wy_dqkg(
-                    mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA, mDAq
-                )
+            kernel = self.kda_cute_wy_dqkg(
+                mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA, mDAq
+            )
             kernel.launch(grid=(T // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=1,
                           preferred_smem_carveout=100, stream=stream)
 
@@ -198,18 +206,25 @@ def _build_kernel_class():
                              mDo: cute.Tensor, mDh: cute.Tensor, mDv: cute.Tensor, mDq: cute.Tensor,
                              mDk: cute.Tensor, mDv2: cute.Tensor, mDb: cute.Tensor, mDg: cute.Tensor,
                              mDA: cute.Tensor, mDAq: cute.Tensor):
-            self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA, mDAq)
+            # (the fused kernel's gate tensors: dAqk's slot stands in, never read)
+            self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mDA, mDAq,
+                       mDAq, mDAq, mDAq, mDAq, mDAq)
 
         @cute.kernel
         def kda_cute_bwd_chunk(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mVn: cute.Tensor,
                                mG: cute.Tensor, mBeta: cute.Tensor, mA: cute.Tensor, mH: cute.Tensor,
                                mDo: cute.Tensor, mDh: cute.Tensor, mDv: cute.Tensor, mDq: cute.Tensor,
                                mDk: cute.Tensor, mDv2: cute.Tensor, mDb: cute.Tensor, mDg: cute.Tensor,
-                               mQr: cute.Tensor, mKr: cute.Tensor):
+                               mQr: cute.Tensor, mKr: cute.Tensor, mGr: cute.Tensor, mAlog: cute.Tensor,
+                               mBias: cute.Tensor, mDAp: cute.Tensor, mDbp: cute.Tensor):
             """fused: dq, dk (io with emit_bf16 or l2norm, else fp32), dv2, db, dg folded; no dAkk /
             dAqk leave the CTA. mQr, mKr: q / k's rstd [B, T, H] fp32 with l2norm (else stand-ins,
-            never read); they take the dAkk / dAqk slots of the body."""
-            self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mQr, mKr)
+            never read); they take the dAkk / dAqk slots of the body. With the gate: mGr the raw
+            gate [B, T, HV, K] (g's dtype), mAlog [1, HV] and mBias [HV, K] fp32, mDg dg_raw (g's
+            dtype), mDAp [B, NT, HV] and mDbp [B, NT, HV, K] the chunk's fp32 partials of dA_log and
+            ddt_bias (stand-ins where not read / written)."""
+            self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mQr, mKr,
+                       mGr, mAlog, mBias, mDAp, mDbp)
 
         @cute.jit
         def _l2norm_rows(self, sX, sY, mR, mO, b, h, hv, row0, tidx):
@@ -236,6 +251,78 @@ def _build_kernel_class():
                 cute.local_tile(mO[b, row0 + r, hv, None], (4,), (lane,)).store(dx.to(self.io_dtype))
 
         @cute.jit
+        def _gate_rows(self, sDy, mGr, mAlog, mBias, mO, mDAp, mDbp, sRed, sRedA, b, hv, t_idx, row0, tidx):
+            """fla's kda_gate_bwd of the chunk's rows, 4 per warp, a lane per 4 columns: from dy (the
+            folded dg, sDy fp32) and the raw gate g, x = g + dt_bias, A = A_log[hv]:
+                softplus:     dg = -exp(A) (dy sigmoid(x)),  dA += dy (-exp(A) softplus(x))
+                lower_bound:  s = sigmoid(exp(A) x),  dg = dy (lb s (1 - s)) exp(A),  dA += dg x
+            (fla's softplus: x above 20, else ln(1 + e^x)); dg out in g's dtype. The chunk's dA and
+            (with a dt_bias) per-column sum of dg: per thread, per warp (shuffles / smem), then the
+            16 warps in order -> mDAp[b, t, hv], mDbp[b, t, hv, :] (no atomics: the host sums them)."""
+            K = self.K
+            lane = tidx % 32
+            wid = tidx // 32
+            NW = THREADS // 32
+            RW = BT // NW  # rows per warp
+            mGr = _warp.gmem(mGr)
+            sY4 = cute.make_tensor(sDy.iterator, cute.make_layout((BT, K // 4, 4), stride=(K, 4, 1)))
+            rowv = cute.make_layout((K // 4, 4), stride=(4, 1))
+            ea = _exp2(f32(mAlog[0, hv]) * LOG2E)
+            bias = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            bias.fill(0.0)
+            if cutlass.const_expr(self.gate_bias):
+                for x in cutlass.range_constexpr(4):
+                    bias[x] = f32(mBias[hv, 4 * lane + x])
+            raw = []  # every row's load issued before the first use
+            for i in cutlass.range_constexpr(RW):
+                src = cute.make_tensor(mGr[b, row0 + wid * RW + i, hv, None].iterator, rowv)
+                raw.append(src[lane, None].load())
+            dbs = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            dbs.fill(0.0)
+            dgr = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            da = f32(0.0)
+            for i in cutlass.range_constexpr(RW):
+                r = wid * RW + i
+                dy = sY4[r, lane, None].load()
+                for x in cutlass.range_constexpr(4):
+                    xv = f32(raw[i][x]) + bias[x]
+                    d = dy[x]
+                    if cutlass.const_expr(self.gate == "softplus"):
+                        sig = 1.0 / (1.0 + _exp2(-xv * LOG2E))
+                        dgr[x] = -ea * (d * sig)
+                        sp = xv  # fla's softplus: x itself above 20
+                        if xv <= 20.0:
+                            sp = cute.math.log2(1.0 + _exp2(xv * LOG2E), fastmath=True) * LN2
+                        da = da + d * (-ea * sp)
+                    else:
+                        s = 1.0 / (1.0 + _exp2(-(ea * xv) * LOG2E))
+                        dgx = d * (self.lower_bound * (s * (1.0 - s))) * ea
+                        dgr[x] = dgx
+                        da = da + dgx * xv
+                    dbs[x] = dbs[x] + dgr[x]
+                out = dgr.load().to(mO.element_type)
+                cute.local_tile(mO[b, row0 + r, hv, None], (4,), (lane,)).store(out)
+            for off in (16, 8, 4, 2, 1):
+                da = da + cute.arch.shuffle_sync_bfly(da, offset=off)
+            if lane == 0:
+                sRedA[wid] = da
+            if cutlass.const_expr(self.gate_bias):
+                sRed4 = cute.make_tensor(sRed.iterator, cute.make_layout((NW, K // 4, 4), stride=(K, 4, 1)))
+                sRed4[wid, lane, None].store(dbs.load())
+            cute.arch.sync_threads()
+            if cutlass.const_expr(self.gate_bias):
+                if tidx < K:
+                    tb = sRed[0, tidx]
+                    for w in cutlass.range_constexpr(1, NW):
+                        tb = tb + sRed[w, tidx]
+                    mDbp[b, t_idx, hv, tidx] = tb
+            if tidx == K:
+                ta = sRedA[0]
+                for w in cutlass.range_constexpr(1, NW):
+                    ta = ta + sRedA[w]
+                mDAp[b, t_idx, hv] = ta
+
+        @cute.jit
         def _body(
             self,
             mQ: cute.Tensor,
@@ -256,6 +343,11 @@ def _build_kernel_class():
             mDg: cute.Tensor,
             mDA: cute.Tensor,
             mDAq: cute.Tensor,
+            mGr: cute.Tensor,
+            mAlog: cute.Tensor,
+            mBias: cute.Tensor,
+            mDAp: cute.Tensor,
+            mDbp: cute.Tensor,
         ):
             K = self.K
             NV = self.NV
@@ -726,16 +818,65 @@ def _build_kernel_class():
                 outs = [cute.make_tensor(m[b, row0, hv, None].iterator + d, gcol) for m in (mDq, mDk, mDg)]
                 if cutlass.const_expr(self.l2norm):  # dq, dk stay in smem (fp32, in place) for the rows
                     outs[0], outs[1] = ins[0], ins[1]
+                gate = self.gate != "none"
+                if cutlass.const_expr(gate):  # the folded dg too, for the gate's rows
+                    outs[2] = ins[2]
                 gDb = cute.local_tile(mDb[b, None, hv], (BT,), (t_idx,))
                 self.intra_walk(tidx, sQ, sK, sG, sAqS, sAkS, sBeta, sDbp, sStage, *ins, *outs, sDbi, gDb, 0)
+                if cutlass.const_expr(self.l2norm or gate):
+                    cute.arch.sync_threads()  # every column of dq, dk, dg is final; dAqk's slot is dead
                 if cutlass.const_expr(self.l2norm):
-                    cute.arch.sync_threads()  # every column of dq, dk is final
                     self._l2norm_rows(sDqS, sQ, mDA, mDq, b, h, hv, row0, tidx)  # (mDA, mDAq: the rstds)
                     self._l2norm_rows(sDkS, sK, mDAq, mDk, b, h, hv, row0, tidx)
+                if cutlass.const_expr(gate):  # the per-warp partials in dAqk's dead slot
+                    NW = THREADS // 32
+                    sRed = at(R_AQ, f32, cute.make_layout((NW, K), stride=(K, 1)))
+                    sRedA = at(R_AQ + NW * K * 4, f32, cute.make_layout(NW))
+                    self._gate_rows(sDgS, mGr, mAlog, mBias, mDg, mDAp, mDbp, sRed, sRedA, b, hv, t_idx, row0,
+                                    tidx)
             else:
                 cute.copy(st_c, tsc.retile(acc_a), tsc.partition_D(gDA))
 
-    return _Kernel
+    class _Fused(_Kernel):
+        """fused=True (kda_cute_bwd_chunk): the body's 18 tensors and the gate's five."""
+
+        @cute.jit
+        def __call__(
+            self,
+            mQ: cute.Tensor,
+            mK: cute.Tensor,
+            mV: cute.Tensor,
+            mVn: cute.Tensor,
+            mG: cute.Tensor,
+            mBeta: cute.Tensor,
+            mA: cute.Tensor,
+            mH: cute.Tensor,
+            mDo: cute.Tensor,
+            mDh: cute.Tensor,
+            mDv: cute.Tensor,
+            mDq: cute.Tensor,
+            mDk: cute.Tensor,
+            mDv2: cute.Tensor,
+            mDb: cute.Tensor,
+            mDg: cute.Tensor,  # dg folded (fp32), or with the gate dg_raw in g's dtype
+            mQr: cute.Tensor,  # q_rstd, k_rstd [B, T, H] fp32 (l2norm), else stand-ins
+            mKr: cute.Tensor,
+            mGr: cute.Tensor,  # the gate's (kda_cute_bwd_chunk's docstring), else stand-ins
+            mAlog: cute.Tensor,
+            mBias: cute.Tensor,
+            mDAp: cute.Tensor,
+            mDbp: cute.Tensor,
+            stream,
+        ):
+            B = cute.size(mG, mode=[0])
+            T = cute.size(mG, mode=[1])
+            HV = cute.size(mG, mode=[2])
+            kernel = self.kda_cute_bwd_chunk(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk,
+                                             mDv2, mDb, mDg, mQr, mKr, mGr, mAlog, mBias, mDAp, mDbp)
+            kernel.launch(grid=(T // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=1,
+                          preferred_smem_carveout=100, stream=stream)
+
+    return _Kernel, _Fused
 
 
 _kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL import) on first use
@@ -788,6 +929,10 @@ class WyDqkgConfig:
     fused: bool = False  # kda_cute_bwd_chunk (kda_cute.bwd_chunk): the intra walk in the same CTA
     emit_bf16: bool = False  # fused: dq, dk out in the io dtype (the outputs' dtype: host side only)
     l2norm: bool = False  # fused: dq, dk through q / k's L2-norm backward (io dtype)
+    gate: str = "none"  # fused: fla's gate backward of dg inside (GATES), dg out in g's dtype
+    gate_bias: bool = False  # fused, with the gate: a dt_bias (its gradient's partials out)
+    lower_bound: float = 0.0  # the "lower_bound" gate's constant
+    g_dtype: str = ""  # fused, with the gate: the raw gate's dtype ("fp32" / "bf16" / "fp16")
 
 
 def _config(q, v, beta, scale, want_dAqk) -> WyDqkgConfig:
@@ -821,9 +966,9 @@ def _kernel_args(inputs, outs):
 def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
     import cutlass.cute as cute
 
-    kern = _kernel_class()(
+    kern = _kernel_class()[int(cfg.fused)](
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
-        cfg.want_dAqk, cfg.fused, cfg.l2norm,
+        cfg.want_dAqk, cfg.fused, cfg.l2norm, cfg.gate, cfg.gate_bias, cfg.lower_bound,
     )
     return cute.compile(kern, *views, stream, options=options)
 

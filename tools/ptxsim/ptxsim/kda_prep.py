@@ -27,22 +27,27 @@ def _poisoned_grid(outs, v, ctas):
     return [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
 
 
-def emulate_prep(text, args, want_qg=True, ctas=None):
+def emulate_prep(text, args, want_qg=True, ctas=None, l2norm=False):
     """Run kda_cute_prep's PTX on CPU for `args` = (q, k, v, g, beta, A_log, dt_bias, lower_bound,
     use_gate_in_kernel) (`prep_inputs`' list; the scale is compiled in): (gk, w, u, qg, kg, Aqk,
-    Akk). `ctas`: the (chunk, hv, b) CTAs to run (default every one); other chunks' outputs stay NaN."""
+    Akk), and with l2norm (a kernel compiled with it, q and k raw) also q, k normalized, q_rstd,
+    k_rstd. `ctas`: the (chunk, hv, b) CTAs to run (default every one); other chunks' outputs stay
+    NaN. Without l2norm the kernel's q_n / k_n slots (q, k stand in) must come back unchanged."""
     from kda_cute import prep
 
     q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
-    outs = prep._outputs(q, v, want_qg, "cpu")
+    outs = prep._outputs(q, v, want_qg, "cpu", l2norm)
     ctas = _poisoned_grid(outs, v, ctas)
-    cfg = prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in, 1.0, want_qg)
+    cfg = prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in, 1.0, want_qg, l2norm)
     tensors = list(prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs))
     if not want_qg:  # the launch passes kg's storage there; here a poisoned buffer of its own
         tensors[9] = torch.full_like(outs[4], float("nan"))
     got = run_grid(wy_program(text), tensors, ctas, WyCTA, prep.THREADS)
-    w, u, qg, kg, aqk, akk, gk = got[7:]
-    return gk, w, u, qg, kg, aqk, akk
+    w, u, qg, kg, aqk, akk, gk = got[7:14]
+    if not l2norm:
+        assert torch.equal(got[14], q) and torch.equal(got[15], k), "q / k stand-ins written"
+        return gk, w, u, qg, kg, aqk, akk
+    return (gk, w, u, qg, kg, aqk, akk, *got[14:18])
 
 
 def prep_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtype=None, gmin=-0.3, seed=0,

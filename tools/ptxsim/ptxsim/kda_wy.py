@@ -71,19 +71,28 @@ def wy_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtyp
     return [q, k, v, v_new, gk.contiguous(), beta, Akk, h, do, dh, dv]
 
 
-def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None):
+def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=None):
     """Run kda_cute_bwd_chunk's PTX (kda_cute.bwd_chunk: wy_dqkg's class with fused=True) on CPU
-    for the same eleven `args` (and `rstd` = (q_rstd, k_rstd) for the l2norm build): returns
-    (dq, dk, dv2, db, dg), NaN-poisoned first. `ctas` as in emulate_wy_dqkg."""
+    for the same eleven `args` (and `rstd` = (q_rstd, k_rstd) for the l2norm build; `gate` = dict
+    of bwd_chunk's g, A_log, dt_bias, lower_bound for the gate build): returns (dq, dk, dv2, db,
+    dg), NaN-poisoned first, and with the gate also the per-chunk partials (dA_log [B, NT, HV],
+    ddt_bias [B, NT, HV, K] or None) as the kernel wrote them. `ctas` as in emulate_wy_dqkg."""
     from kda_cute import bwd_chunk
 
-    q, v = args[0], args[2]
+    v = args[2]
     B, T, HV, _ = v.shape
     prog = wy_program(text)
-    outs = bwd_chunk._outputs(q, v, emit_bf16, "cpu", rstd is not None)
-    for t in outs:
-        t.fill_(float("nan"))
+    gate = gate or {}
+    _, outs, parts, tensors = bwd_chunk._prepare(*args[:11], 1.0, emit_bf16, *(rstd or (None, None)),
+                                                 device="cpu", **gate)
+    for t in (*outs, *(parts or ())):
+        if t is not None:
+            t.fill_(float("nan"))
     if ctas is None:
         ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
-    tensors = bwd_chunk._kernel_args(args, outs, *(rstd or (None, None)))
-    return run_grid(prog, list(tensors), ctas, WyCTA, THREADS)[len(args):len(args) + 5]
+    got = run_grid(prog, list(tensors), ctas, WyCTA, THREADS)
+    n = len(args)
+    if parts is None:
+        return got[n:n + 5]
+    dbias = got[n + 11] if gate.get("dt_bias") is not None else None
+    return (*got[n:n + 5], got[n + 10], dbias)

@@ -270,12 +270,19 @@ def fwd_prep(
     scale: float,
     chunk_size: int = 64,
     want_qg: bool = False,
+    l2norm: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:
     """The forward's chunk-parallel stage: gate_chunk_cumsum then fwd_intra (kda_cute_prep does
     both in one kernel). g is the raw gate (the per-step log gate, or the gate's input with
-    use_gate_in_kernel). Returns gk (gate_chunk_cumsum's), then fwd_intra's w, u, qg, kg, Aqk, Akk."""
+    use_gate_in_kernel). Returns gk (gate_chunk_cumsum's), then fwd_intra's w, u, qg, kg, Aqk, Akk.
+    With l2norm, q and k are raw: l2norm_fwd of each first (fwd_intra reads the normalized ones),
+    and its outputs follow: q, k normalized (their dtype), q_rstd, k_rstd."""
+    l2 = ()
+    if l2norm:
+        (q, q_rstd), (k, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
+        l2 = (q, k, q_rstd, k_rstd)
     gk = gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
-    return (gk, *fwd_intra(q, k, v, gk, beta, scale, chunk_size, want_qg))
+    return (gk, *fwd_intra(q, k, v, gk, beta, scale, chunk_size, want_qg), *l2)
 
 
 def fwd_intra(
@@ -714,16 +721,24 @@ def bwd_intra(
 
 def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale: float, emit_bf16: bool = False,
               q_rstd: torch.Tensor | None = None,
-              k_rstd: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              k_rstd: torch.Tensor | None = None,
+              g: torch.Tensor | None = None,
+              A_log: torch.Tensor | None = None,
+              dt_bias: torch.Tensor | None = None,
+              lower_bound: float | None = None) -> tuple[torch.Tensor | None, ...]:
     """The whole chunk-parallel backward after the scans (kda_cute_bwd_chunk does it in one
     kernel; the tensors as bwd_wy_dqkg's): bwd_wy_dqkg, bwd_dAv's dA, then bwd_intra with fold_dg,
-    and with q_rstd, k_rstd l2norm_bwd of dq, dk (q, k being the normalized ones). Returns dq, dk
-    (q's dtype with emit_bf16 or the rstds, else the compute dtype), dv2, db, dg (reverse-cumsummed
-    within each chunk)."""
+    with q_rstd, k_rstd l2norm_bwd of dq, dk (q, k being the normalized ones), and with A_log (the
+    gate in the op; g the raw gate) gate_bwd of dg. Returns dq, dk (q's dtype with emit_bf16 or the
+    rstds, else the compute dtype), dv2, db, dg (reverse-cumsummed within each chunk; with A_log
+    the raw gate's gradient in g's dtype), dA_log, ddt_bias (gate_bwd's; None without A_log)."""
     dq, dk, dv2, db, dg, dAkk = bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale)
     dAqk = bwd_dAv(v_new, do, torch.zeros_like(Akk), scale)[0]
     dq, dk, db, dg = bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=True,
                                emit_bf16=emit_bf16 and q_rstd is None)
     if q_rstd is not None:
         dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
-    return dq, dk, dv2, db, dg
+    dA_log = ddt_bias = None
+    if A_log is not None:
+        dg, dA_log, ddt_bias = gate_bwd(g, A_log, dt_bias, dg, lower_bound)
+    return dq, dk, dv2, db, dg, dA_log, ddt_bias
