@@ -126,6 +126,16 @@ def test_fwd_prep_computes_qg_only_when_the_cute_fwd_is_planned(monkeypatch):
     assert run()[1:] == (False, None)
 
 
+def _grads_and_stages(x, names, kw):
+    """One fwd+bwd of chunk_kda on x (o.sum()) -> the gradients of `names`, the stages called."""
+    for n in names:
+        x[n].grad = None
+    reset_dispatch_log()
+    o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    o.sum().backward()
+    return [x[n].grad.clone() for n in names], [c.stage for c in dispatch_log()]
+
+
 @pytest.mark.parametrize("gate", [dict(), dict(dt_bias=True, lower_bound=-5.0), None],
                          ids=["gate", "gate_bias_lb", "no_gate"])
 def test_fused_bwd_chunk_replaces_wy_intra_and_l2norm_bwd(monkeypatch, gate):
@@ -148,15 +158,7 @@ def test_fused_bwd_chunk_replaces_wy_intra_and_l2norm_bwd(monkeypatch, gate):
             kw.update(dt_bias=x["dt_bias"], lower_bound=gate["lower_bound"])
             names.append("dt_bias")
 
-    def grads():
-        for n in names:
-            x[n].grad = None
-        reset_dispatch_log()
-        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
-        o.sum().backward()
-        return [x[n].grad.clone() for n in names], [c.stage for c in dispatch_log()]
-
-    want, split = grads()
+    want, split = _grads_and_stages(x, names, kw)
     assert "bwd_wy_dqkg" in split and "intra" in split and split.count("l2norm_bwd") == 2
     assert split.count("gate_bwd") == (gate is not None)
     seen = {}
@@ -168,7 +170,7 @@ def test_fused_bwd_chunk_replaces_wy_intra_and_l2norm_bwd(monkeypatch, gate):
     fake = S.Impl("cute", lambda *a, **k: None, fake_cute)
     monkeypatch.setattr(S.bwd_chunk, "impls", [fake, *S.bwd_chunk.impls[1:]])
     S.clear_gate_cache()
-    got, stages = grads()
+    got, stages = _grads_and_stages(x, names, kw)
     folded = {"emit_bf16", "q_rstd", "k_rstd"}
     if gate is not None:
         folded |= {"g", "A_log", "dt_bias", "lower_bound"}
@@ -192,19 +194,11 @@ def test_bwd_chunk_without_its_gate_part_runs_gate_bwd(monkeypatch):
               dt_bias=x["dt_bias"])
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
 
-    def grads():
-        for n in names:
-            x[n].grad = None
-        reset_dispatch_log()
-        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
-        o.sum().backward()
-        return [x[n].grad.clone() for n in names], [c.stage for c in dispatch_log()]
-
-    want, _ = grads()
+    want, _ = _grads_and_stages(x, names, kw)
     fake = S.Impl("cute", lambda *a, **k: "no gate" if k.get("A_log") is not None else None, ref.bwd_chunk)
     monkeypatch.setattr(S.bwd_chunk, "impls", [fake, *S.bwd_chunk.impls[1:]])
     S.clear_gate_cache()
-    got, stages = grads()
+    got, stages = _grads_and_stages(x, names, kw)
     assert stages.count("bwd_chunk") == 1 and stages.count("gate_bwd") == 1
     assert "bwd_wy_dqkg" not in stages and "intra" not in stages
     for n, a, b in zip(names, got, want, strict=True):
