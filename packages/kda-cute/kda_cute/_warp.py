@@ -22,6 +22,31 @@ DYN = (0, 1)  # the dynamic modes of every view: batch, time
 # ----------------------------------------------------------------------------------- host side
 BT = 64  # the chunk
 BV = 64  # the V tile
+# fla's gate in the op: its forms (prep computes the gate, bwd_chunk its backward) and raw dtypes
+GATES = ("none", "softplus", "lower_bound")
+G_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def gate_form(use_gate: bool, lower_bound) -> str:
+    """One of GATES: fla's gate in the op, by its flags."""
+    return "none" if not use_gate else ("softplus" if lower_bound is None else "lower_bound")
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous and 16-byte aligned (every view is assumed so): a copy only when it is not (a
+    slice of a packed parameter buffer; A_log and dt_bias are HV and HV * K floats)."""
+    return t.contiguous() if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(
+        memory_format=torch.contiguous_format)
+
+
+def gate_views(A_log, dt_bias, HV: int, K: int):
+    """The gate's parameters as the kernels read them: A_log [1, HV] and dt_bias [HV, K] in fp32
+    (views when they already are), each None where not given."""
+    a = None if A_log is None else aligned(A_log.detach().float().reshape(1, HV))
+    bias = None if dt_bias is None else aligned(dt_bias.detach().float().reshape(HV, K))
+    return a, bias
 
 
 def extent_reason(q, k, v, gk, beta, supported_k) -> str | None:

@@ -77,7 +77,6 @@ from . import wy_dqkg as _wy
 from ._common.cache import CallCache, alloc
 
 BT = _wy.BT
-G_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the raw gate's (dg_raw's) dtypes
 _cache = CallCache("kda_cute_bwd_chunk")
 
 
@@ -102,7 +101,7 @@ def _gate_reason(gk, g, A_log, dt_bias) -> str | None:
     HV, K = gk.shape[2], gk.shape[3]
     if tuple(g.shape) != tuple(gk.shape):
         return f"g must be [B,T,HV,K] = {tuple(gk.shape)}; got {tuple(g.shape)}"
-    if g.dtype not in G_DTYPES:
+    if g.dtype not in _warp.G_DTYPES:
         return f"g dtype {g.dtype} (fp32 / bf16 / fp16 expected)"
     if A_log.numel() != HV or not A_log.is_floating_point():
         return f"A_log must be {HV} floats (one per value head); got {tuple(A_log.shape)} {A_log.dtype}"
@@ -121,15 +120,9 @@ def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=
             or _rstd_reason(q, v, q_rstd, k_rstd) or _gate_reason(gk, g, A_log, dt_bias))
 
 
-def _gate_form(A_log, lower_bound) -> str:
-    if A_log is None:
-        return "none"
-    return "softplus" if lower_bound is None else "lower_bound"
-
-
 def _config(q, v, beta, scale, emit_bf16, l2norm, g=None, A_log=None, dt_bias=None,
             lower_bound=None) -> _wy.WyDqkgConfig:
-    gate = _gate_form(A_log, lower_bound)
+    gate = _warp.gate_form(A_log is not None, lower_bound)
     on = gate != "none"
     return dataclasses.replace(_wy._config(q, v, beta, scale, True), fused=True, emit_bf16=bool(emit_bf16),
                                l2norm=bool(l2norm), gate=gate, gate_bias=on and dt_bias is not None,
@@ -161,12 +154,6 @@ def _partials(v, K, dt_bias, device):
     return dA, dbias
 
 
-def _aligned(t):
-    """t contiguous and 16-byte aligned (a copy only when it is not)."""
-    return t.contiguous() if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(
-        memory_format=torch.contiguous_format)
-
-
 def _kernel_args(inputs, outs, q_rstd=None, k_rstd=None, gate=None):
     """The class's 23 tensors: the eleven inputs, dq, dk, dv2, db, dg, then q_rstd, k_rstd in the
     dAkk / dAqk slots, then the gate's g, A_log [1, HV] fp32, dt_bias [HV, K] fp32, the dA_log and
@@ -180,11 +167,9 @@ def _kernel_args(inputs, outs, q_rstd=None, k_rstd=None, gate=None):
     else:
         g, A_log, dt_bias, dA, dbias = gate
         HV, K = g.shape[2], g.shape[3]
-        a = _aligned(A_log.detach().float().reshape(1, HV))
-        if dt_bias is None:
+        a, bias = _warp.gate_views(A_log, dt_bias, HV, K)
+        if bias is None:
             bias = dbias = dg
-        else:
-            bias = _aligned(dt_bias.detach().float().reshape(HV, K))
         gt = (g, a, bias, dA, dbias)
     return (*inputs, *outs, q_rstd, k_rstd, *gt)
 

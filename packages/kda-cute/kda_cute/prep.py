@@ -98,7 +98,7 @@ from . import _warp
 from ._common.cache import CallCache, alloc
 from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch
-from ._warp import BT, BV, DT
+from ._warp import BT, BV, DT, LN2, LOG2E
 
 BC = 16  # diagonal block
 THREADS = 256
@@ -116,13 +116,11 @@ EPS = 1e-6  # the L2 norm's (fla's l2norm eps; kda_cute.l2norm_fwd's)
 _cache = CallCache("kda_cute_prep")
 
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-GATES = ("none", "softplus", "lower_bound")  # g is the step log gate / fla's gate's input (see _gate_rows)
 
 
 class KdaPrep:
-    """See the module docstring. io: q / k / v dtype; beta_dtype: beta's; gate: one of GATES."""
+    """See the module docstring. io: q / k / v dtype; beta_dtype: beta's; gate: one of _warp.GATES
+    (g the step log gate, or fla's gate's input: see _gate_rows)."""
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_qg: bool,
                  gate: str, has_bias: bool, lower_bound: float, recompute: bool = False,
@@ -757,19 +755,12 @@ _kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL impo
 
 # ----------------------------------------------------------------------------------- host side
 _NAMES = ("q", "k", "v", "g", "beta")
-G_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _gate(use_gate_in_kernel, lower_bound) -> str:
-    return "none" if not use_gate_in_kernel else ("softplus" if lower_bound is None else "lower_bound")
-
-
 def _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size) -> str | None:
     """Why the kernel cannot compute this call at all (shape, dtype, layout), or None."""
     if chunk_size != BT:
         return f"chunk_size={chunk_size} (kernel built for {BT})"
     r = (_warp.extent_reason(q, k, v, g, beta, SUPPORTED_K)
-         or _warp.dtype_reason(q, (("k", k), ("v", v)), g, beta, G_DTYPES))
+         or _warp.dtype_reason(q, (("k", k), ("v", v)), g, beta, _warp.G_DTYPES))
     if r:
         return r
     HV, K = g.shape[2], g.shape[3]
@@ -801,7 +792,7 @@ class PrepConfig:
     HV: int
     scale: float
     want_qg: bool
-    gate: str  # GATES
+    gate: str  # _warp.GATES
     has_bias: bool
     lower_bound: float
     arch: str
@@ -811,7 +802,7 @@ class PrepConfig:
 
 def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg,
             l2norm=False) -> PrepConfig:
-    gate = _gate(use_gate_in_kernel, lower_bound)
+    gate = _warp.gate_form(use_gate_in_kernel, lower_bound)
     return PrepConfig(DT[q.dtype], DT[beta.dtype], DT[g.dtype], q.shape[3], v.shape[3], q.shape[2],
                       v.shape[2], float(scale), bool(want_qg), gate, gate != "none" and dt_bias is not None,
                       float(lower_bound or 0.0), compile_arch(), l2norm=bool(l2norm))
@@ -847,17 +838,12 @@ def _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg: PrepConfig, outs):
     storage for the rstds (never touched)."""
     gk, w, u, qg, kg, aqk, akk = outs[:7]
     stand_in = gk.view(-1, gk.shape[-1])
-    a = _aligned(A_log.detach().float().reshape(1, -1)) if cfg.gate != "none" else stand_in
-    bias = _aligned(dt_bias.detach().float().reshape(cfg.HV, cfg.K)) if cfg.has_bias else stand_in
+    a, bias = _warp.gate_views(A_log if cfg.gate != "none" else None, dt_bias if cfg.has_bias else None,
+                               cfg.HV, cfg.K)
+    a = stand_in if a is None else a
+    bias = stand_in if bias is None else bias
     l2 = tuple(outs[7:]) if cfg.l2norm else (q, k, stand_in, stand_in)
     return (q, k, v, g, beta, a, bias, w, u, kg if qg is None else qg, kg, aqk, akk, gk, *l2)
-
-
-def _aligned(t):
-    """t contiguous and 16-byte aligned (every view is assumed so): a copy only when it is not (a
-    slice of a packed parameter buffer; A_log and dt_bias are HV and HV * K floats)."""
-    return t.contiguous() if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(
-        memory_format=torch.contiguous_format)
 
 
 def _build(views, stream, cfg: PrepConfig, options: str = ""):

@@ -90,12 +90,9 @@ from ._common.cache import CallCache, alloc
 from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch
 from ._intra_walk import walk_class
-from ._warp import BT, BV, DT
+from ._warp import BT, BV, DT, LN2, LOG2E
 
 THREADS = 512
-GATES = ("none", "softplus", "lower_bound")  # fused: the gate backward inside (fla's two forms)
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 STAGES = 2
 SUPPORTED_K = (128,)
 GPAD = 8  # gk smem row padding (floats): conflict-free pair reads at mma C positions
@@ -131,7 +128,7 @@ class KdaWyDqkg:
         self.fused = fused  # kda_cute_bwd_chunk: the intra walk follows in the same CTA
         self.l2norm = l2norm  # fused: dq, dk through q / k's L2 norm backward before they leave
         self.want_dAqk = want_dAqk or fused
-        # fused: fla's gate backward (kda_gate_bwd) of the folded dg before it leaves (GATES)
+        # fused: fla's gate backward (kda_gate_bwd) of the folded dg before it leaves (_warp.GATES)
         self.gate = gate
         self.gate_bias = gate_bias  # with a dt_bias (its partial gradient out per chunk)
         self.lower_bound = float(lower_bound)
@@ -929,7 +926,7 @@ class WyDqkgConfig:
     fused: bool = False  # kda_cute_bwd_chunk (kda_cute.bwd_chunk): the intra walk in the same CTA
     emit_bf16: bool = False  # fused: dq, dk out in the io dtype (the outputs' dtype: host side only)
     l2norm: bool = False  # fused: dq, dk through q / k's L2-norm backward (io dtype)
-    gate: str = "none"  # fused: fla's gate backward of dg inside (GATES), dg out in g's dtype
+    gate: str = "none"  # fused: fla's gate backward of dg inside (_warp.GATES), dg out in g's dtype
     gate_bias: bool = False  # fused, with the gate: a dt_bias (its gradient's partials out)
     lower_bound: float = 0.0  # the "lower_bound" gate's constant
     g_dtype: str = ""  # fused, with the gate: the raw gate's dtype ("fp32" / "bf16" / "fp16")
