@@ -183,7 +183,41 @@ def stage_host_times(step, steps):
           flush=True)
 
 
-def host_profile(B, T, H, V, steps=10):
+def host_parts(n=2000):
+    """Host cost of the building blocks a chain call is made of, on this machine's CPU (us/call)."""
+    x = torch.empty((2, 4096, 16, 128), dtype=torch.bfloat16, device="cuda")
+
+    class Id(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *a):
+            return a[0].new_empty(a[0].shape)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None, None, None, None
+
+    leaf = x.clone().requires_grad_(True)
+    rows = {
+        "torch.empty cuda bf16 [2,4096,16,128]": lambda: torch.empty((2, 4096, 16, 128), dtype=torch.bfloat16,
+                                                                     device="cuda"),
+        "torch.empty(..., device=x.device)": lambda: torch.empty((2, 4096, 16, 128), dtype=torch.bfloat16,
+                                                                 device=x.device),
+        "x.new_empty(shape)": lambda: x.new_empty((2, 4096, 16, 128)),
+        "torch.empty_like(x)": lambda: torch.empty_like(x),
+        "x.contiguous() (already)": lambda: x.contiguous(),
+        "x.view(2, 4096, 2048)": lambda: x.view(2, 4096, 2048),
+        "x.data_ptr()": lambda: x.data_ptr(),
+        "x.shape, x.stride(), x.dtype": lambda: (x.shape, x.stride(), x.dtype),
+        "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(),
+        "autograd.Function fwd+bwd, 5 inputs": lambda: Id.apply(leaf, x, x, x, x).sum().backward(),
+        "x.sum() (one launch)": lambda: x.sum(),
+    }
+    print("\n### host building blocks (us/call, this CPU)\n| what | us |\n|---|---|")
+    for name, fn in rows.items():
+        print(f"| {name} | {host_us(fn, n):.2f} |", flush=True)
+
+
+def host_profile(B, T, H, V, steps=10, pstats_dir=None):
     """Where our chain's host time goes: (1) every synchronizing CUDA call made during one step
     (torch's sync debug mode, warnings recorded on every thread), (2) cProfile of `steps` steps
     with the backward on the calling thread (autograd multithreading off), ours then fla."""
@@ -225,6 +259,8 @@ def host_profile(B, T, H, V, steps=10):
                 fn()
             pr.disable()
             torch.cuda.synchronize()
+            if pstats_dir:
+                pr.dump_stats(f"{pstats_dir}/host_{name}_B{B}T{T}.pstats")
             for key in ("tottime", "cumulative"):
                 buf = io.StringIO()
                 pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(28)
@@ -243,12 +279,14 @@ def main():
     ap.add_argument("--V", type=int, default=128)
     ap.add_argument("--n", type=int, default=200, help="calls per host-time loop")
     ap.add_argument("--profile", action="store_true", help="only the host profile of the chain")
+    ap.add_argument("--pstats", metavar="DIR", help="with --profile: also dump each cProfile there")
     a = ap.parse_args()
     for m in cs.MODS:
         m.GRID_FLOOR = 0  # time dhu below its floor too: the floor is what this may move
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if a.profile:
-        host_profile(a.B, a.T, a.H, a.V)
+        host_parts()
+        host_profile(a.B, a.T, a.H, a.V, pstats_dir=a.pstats)
         return
     kernels(a.B, a.T, a.H, a.V, a.n)
     chains(a.B, a.T, a.H, a.V)

@@ -65,7 +65,7 @@ for s in $steps; do
       step check_stages ${STAGE_LIMIT:-400} python bench/check_stage.py --stage ${CHECK_STAGES:-fwd_prep bwd_prep bwd_chunk} ;;
     launch)  # host vs device time per launch and per chain step (the small-shape slowdown)
       step check_launch 120 python bench/check_launch.py
-      step check_launch_profile 120 python bench/check_launch.py --profile ;;
+      step check_launch_profile 150 python bench/check_launch.py --profile --pstats "$OUT" ;;
     tvmffi)  # one CuTe launch's host cost: the call cache against the DSL's TVM-FFI path
       step check_tvm_ffi 150 python bench/check_tvm_ffi.py ;;
     train)  # the 2-layer KDA LM's train step, ours vs fla (eager; TRAIN_ARGS=--compile for compiled)
