@@ -62,9 +62,9 @@ _poison = {"on": False}
 _orig_alloc = intra.alloc
 
 
-def _alloc_poisoned(shape, dtype, device, fill=None):
-    t = _orig_alloc(shape, dtype, device, fill)
-    if _poison["on"] and fill is None:
+def _alloc_poisoned(shape, dtype, like):
+    t = _orig_alloc(shape, dtype, like)
+    if _poison["on"]:
         t.fill_(float("nan"))
     return t
 

@@ -47,9 +47,9 @@ def say(msg):
 def _wrap_alloc(mod):
     orig = mod.alloc
 
-    def alloc(shape, dtype, device, fill=None):
-        t = orig(shape, dtype, device, fill)
-        if _poison["on"] and fill is None:
+    def alloc(shape, dtype, like):
+        t = orig(shape, dtype, like)
+        if _poison["on"]:
             t.fill_(float("nan"))
         return t
 

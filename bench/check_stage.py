@@ -212,7 +212,7 @@ def check(stage, name, calls) -> bool:
     args = stage_args(calls, stage)
     run_ours, run_fla, mod = ours_fla(stage, calls)
     orig = mod.alloc
-    mod.alloc = lambda shape, dtype, device, fill=None: orig(shape, dtype, device, fill).fill_(float("nan"))
+    mod.alloc = lambda shape, dtype, like: orig(shape, dtype, like).fill_(float("nan"))
     try:
         ours = run_ours()
     finally:

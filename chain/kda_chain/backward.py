@@ -84,9 +84,13 @@ def _made_on(side, *made_there):
 
 def backward(do, dht, s: Saved, f: Flags):
     """-> dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 (fla's dtypes)."""
-    saved = [t for n, t in vars(s).items() if n != "kept"]
-    kept = () if s.kept is None else tuple(vars(s.kept).values())
-    with S.planned("bwd", do, dht, *saved, *kept, f):
+    if s.plan is not None:  # the forward's plan key stands for every saved tensor's signature
+        plan = S.planned("bwd", do, dht, after=s.plan)
+    else:
+        saved = [t for n, t in vars(s).items() if n not in ("kept", "plan")]
+        kept = () if s.kept is None else tuple(vars(s.kept).values())
+        plan = S.planned("bwd", do, dht, *saved, *kept, f)
+    with plan:
         return _backward(do, dht, s, f)
 
 

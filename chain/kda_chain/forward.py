@@ -81,13 +81,16 @@ class Saved:
     initial_state: torch.Tensor | None
     kept: Kept | None = None
     chunks: torch.Tensor | None = None  # a packed call's chunk table (kda_chain.varlen), for the scans
+    plan: tuple | None = None  # the forward's plan key (`stages.planned`), where this call kept it
 
 
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks=None):
     """-> o (q's dtype), ht (fp32 or None), Saved. chunks: a packed call's chunk table (the
     inputs on kda_chain.varlen's padded row): the scans walk each sequence; states [N, ...]."""
-    with S.planned("fwd", q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, f):
-        return _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f, chunks)
+    with S.planned("fwd", q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, f) as key:
+        o, ht, saved = _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f, chunks)
+    saved.plan = key
+    return o, ht, saved
 
 
 def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks):

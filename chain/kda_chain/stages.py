@@ -167,8 +167,13 @@ def cute_impl(rec: CuteStage) -> Impl:
             return r
         return mod.is_supported(*args, **kwargs)
 
+    mod = None  # the module, imported once (an import_module per call cost ~7 us on the H200 host)
+
     def fn(*args, **kwargs):
-        return rec.load().launch(*args, **kwargs)
+        nonlocal mod
+        if mod is None:
+            mod = rec.load()
+        return mod.launch(*args, **kwargs)
 
     return Impl("cute", gate, fn)
 
@@ -217,16 +222,19 @@ class _Plan:
 
 
 @contextlib.contextmanager
-def planned(*args):
+def planned(*args, after=None):
     """Within: the chain's decisions replay those recorded under `args`' signature, or record them
-    (stored only when the block completes)."""
-    key = _signature(args, {})
+    (stored only when the block completes); yields the plan's key. `after`: the key of the plan
+    whose outputs `args` are, standing for their signature (the backward after the forward: its
+    saved tensors are the forward's inputs, already in that key, and its own fresh contiguous
+    outputs; `args` are then only what is new: do, dht), so only the new part is computed."""
+    key = _signature(args, {}) if after is None else (after, _signature(args, {}))
     seen = _plans.get(key)
     plan = _Plan(seen)
     outer = getattr(_tls, "plan", None)
     _tls.plan = plan
     try:
-        yield
+        yield key
         with _lock:
             if plan.record is not None:
                 _plans[key] = tuple(plan.record)

@@ -42,9 +42,8 @@ def make_inputs(B, T, H, HV, K, dtype=torch.bfloat16, gmin=-0.5, seed=0):
 def poisoned(monkeypatch):
     orig = intra.alloc
 
-    def alloc(shape, dtype, device, fill=None):
-        t = orig(shape, dtype, device, fill)
-        return t.fill_(float("nan")) if fill is None else t
+    def alloc(shape, dtype, like):
+        return orig(shape, dtype, like).fill_(float("nan"))
 
     monkeypatch.setattr(intra, "alloc", alloc)
 

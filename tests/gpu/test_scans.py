@@ -95,13 +95,12 @@ def _no_floor(monkeypatch):
 
 @contextlib.contextmanager
 def poisoned(stage):
-    """Within: that stage's fresh outputs (alloc without a fill) start as NaN."""
+    """Within: that stage's fresh outputs (every alloc) start as NaN."""
     mod = MODS[stage]
     orig = mod.alloc
 
-    def alloc(shape, dtype, device, fill=None):
-        t = orig(shape, dtype, device, fill)
-        return t.fill_(float("nan")) if fill is None else t
+    def alloc(shape, dtype, like):
+        return orig(shape, dtype, like).fill_(float("nan"))
 
     mod.alloc = alloc
     try:

@@ -76,7 +76,7 @@ def test_call_cache_compiles_once_marshals_per_shape_and_pins_nothing(cpu_stream
 
     def call(B, T):
         a = torch.randn(B, T, 4, 32)
-        out = cache.alloc((B, T, 4, 32), torch.float32, "cpu")
+        out = cache.alloc((B, T, 4, 32), torch.float32, a)
         cc.launch(("k", 32), (a, out), ((0, 1), (0, 1)), build)
         return a, out
 

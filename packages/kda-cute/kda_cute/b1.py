@@ -206,9 +206,9 @@ def _plan(kg, w, u, gk, initial_state, output_final_state, chunks, stages, warpg
     K = kg.shape[-1]
     NT = (T + P.BT - 1) // P.BT
     dev = u.device
-    h = alloc((B, NT, HV, K, V), u.dtype, dev)
-    v_new = alloc(u.shape, u.dtype, dev)
-    ht = alloc((N, HV, K, V), torch.float32, dev) if output_final_state else None
+    h = alloc((B, NT, HV, K, V), u.dtype, u)
+    v_new = alloc(u.shape, u.dtype, u)
+    ht = alloc((N, HV, K, V), torch.float32, u) if output_final_state else None
     dummy = P.dummy(dev)
     h0 = initial_state if initial_state is not None else dummy
     table, table_dyn = P.chunk_args(chunks, dev)

@@ -68,8 +68,6 @@ followed by the gate's backward in fp32). The gate build is not timed on the H20
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from . import _warp
@@ -124,33 +122,33 @@ def _config(q, v, beta, scale, emit_bf16, l2norm, g=None, A_log=None, dt_bias=No
             lower_bound=None) -> _wy.WyDqkgConfig:
     gate = _warp.gate_form(A_log is not None, lower_bound)
     on = gate != "none"
-    return dataclasses.replace(_wy._config(q, v, beta, scale, True), fused=True, emit_bf16=bool(emit_bf16),
-                               l2norm=bool(l2norm), gate=gate, gate_bias=on and dt_bias is not None,
-                               lower_bound=float(lower_bound or 0.0), g_dtype=_warp.DT[g.dtype] if on else "")
+    return _wy._config(q, v, beta, scale, True, fused=True, emit_bf16=bool(emit_bf16), l2norm=bool(l2norm),
+                       gate=gate, gate_bias=on and dt_bias is not None, lower_bound=float(lower_bound or 0.0),
+                       g_dtype=_warp.DT[g.dtype] if on else "")
 
 
-def _outputs(q, v, emit_bf16, device, l2norm=False, g=None):
+def _outputs(q, v, emit_bf16, l2norm=False, g=None):
     """dq, dk (q's dtype with emit_bf16 or l2norm, else fp32), dv2, db, dg (fp32; with the gate,
     g being given, g's dtype: dg_raw): fresh."""
     B, T, HV, V = v.shape
     K = q.shape[3]
     qk = q.dtype if emit_bf16 or l2norm else torch.float32
     return (
-        alloc((B, T, HV, K), qk, device),  # dq
-        alloc((B, T, HV, K), qk, device),  # dk
-        alloc((B, T, HV, V), v.dtype, device),  # dv2
-        alloc((B, T, HV), torch.float32, device),  # db
-        alloc((B, T, HV, K), torch.float32 if g is None else g.dtype, device),  # dg
+        alloc((B, T, HV, K), qk, q),  # dq
+        alloc((B, T, HV, K), qk, q),  # dk
+        alloc((B, T, HV, V), v.dtype, q),  # dv2
+        alloc((B, T, HV), torch.float32, q),  # db
+        alloc((B, T, HV, K), torch.float32 if g is None else g.dtype, q),  # dg
     )
 
 
-def _partials(v, K, dt_bias, device):
+def _partials(v, K, dt_bias):
     """The gate's per-chunk partials: dA_log [B, NT, HV] and (with dt_bias) ddt_bias [B, NT, HV, K],
     fp32, every entry written by its CTA."""
     B, T, HV, _ = v.shape
     NT = T // BT
-    dA = alloc((B, NT, HV), torch.float32, device)
-    dbias = alloc((B, NT, HV, K), torch.float32, device) if dt_bias is not None else None
+    dA = alloc((B, NT, HV), torch.float32, v)
+    dbias = alloc((B, NT, HV, K), torch.float32, v) if dt_bias is not None else None
     return dA, dbias
 
 
@@ -174,26 +172,30 @@ def _kernel_args(inputs, outs, q_rstd=None, k_rstd=None, gate=None):
     return (*inputs, *outs, q_rstd, k_rstd, *gt)
 
 
+def _in(t, dtype):
+    """The fp32 sum `t` in its parameter's dtype (no `.to` call when it already is)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _reduce(dA, dbias, A_log, dt_bias):
     """dA_log, ddt_bias from the per-chunk partials, summed with torch over (B, NT) as fla sums its
     per-block ones: dA_log shaped as A_log in its dtype, ddt_bias [HV * K] in dt_bias's."""
     HV = dA.shape[2]
-    dA_log = dA.view(-1, HV).sum(0).view_as(A_log).to(A_log.dtype)
+    dA_log = _in(dA.view(-1, HV).sum(0).view(A_log.shape), A_log.dtype)
     ddt = None
     if dt_bias is not None:
-        ddt = dbias.view(-1, dbias.shape[2] * dbias.shape[3]).sum(0).to(dt_bias.dtype)
+        ddt = _in(dbias.view(-1, dbias.shape[2] * dbias.shape[3]).sum(0), dt_bias.dtype)
     return dA_log, ddt
 
 
 def _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
-             k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, device=None):
+             k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None):
     """(config, the five outputs, the gate's partials or None, the kernel's tensors): fresh."""
-    device = q.device if device is None else device
     l2 = q_rstd is not None
     on = A_log is not None
     cfg = _config(q, v, beta, scale, emit_bf16, l2, g, A_log, dt_bias, lower_bound)
-    outs = _outputs(q, v, emit_bf16, device, l2, g if on else None)
-    parts = _partials(v, q.shape[3], dt_bias, device) if on else None
+    outs = _outputs(q, v, emit_bf16, l2, g if on else None)
+    parts = _partials(v, q.shape[3], dt_bias) if on else None
     gate = (g, A_log, dt_bias, *parts) if on else None
     args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs, q_rstd, k_rstd, gate)
     return cfg, outs, parts, args

@@ -37,8 +37,6 @@ Validated on CPU by the PTX interpreter (tests/kda_cute/test_bwd_prep_compile.py
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from . import _warp
@@ -68,17 +66,17 @@ def is_supported(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in
 
 
 def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel) -> _prep.PrepConfig:
-    cfg = _prep._config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, 1.0, True)
-    return dataclasses.replace(cfg, recompute=True)  # the scale is Aqk's only: not compiled in
+    # the scale is Aqk's only: not compiled in
+    return _prep._config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, 1.0, True, recompute=True)
 
 
-def _outputs(q, v, device):
+def _outputs(q, v):
     """gk (fp32), then w, u, qg, kg in q's dtype: fresh."""
     B, T, HV, V = v.shape
     K = q.shape[3]
-    return (alloc((B, T, HV, K), torch.float32, device), alloc((B, T, HV, K), q.dtype, device),
-            alloc((B, T, HV, V), q.dtype, device), alloc((B, T, HV, K), q.dtype, device),
-            alloc((B, T, HV, K), q.dtype, device))
+    return (alloc((B, T, HV, K), torch.float32, q), alloc((B, T, HV, K), q.dtype, q),
+            alloc((B, T, HV, V), q.dtype, q), alloc((B, T, HV, K), q.dtype, q),
+            alloc((B, T, HV, K), q.dtype, q))
 
 
 def _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs):
@@ -91,7 +89,7 @@ def _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs):
 def compile_for(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
     cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel)
-    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, _outputs(q, v, q.device))
+    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, _outputs(q, v))
     return _warp.compile_only(lambda views, stream, opts: _prep._build(views, stream, cfg, opts), args,
                               keep_ptx)
 
@@ -107,7 +105,7 @@ def bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_ker
 
 def launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT):
     """`bwd_prep` without its checks: for a caller whose `is_supported` just said None."""
-    outs = _outputs(q, v, q.device)
+    outs = _outputs(q, v)
     cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel)
     args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _prep._build(views, stream, cfg, opts))

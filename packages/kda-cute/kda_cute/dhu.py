@@ -282,9 +282,9 @@ def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups):
         scale = K**-0.5
     NT = (T + P.BT - 1) // P.BT
     dev = do.device
-    dh = alloc((B, NT, HV, K, V), qg.dtype, dev)
-    dh0 = alloc((N, HV, K, V), torch.float32, dev) if h0 is not None else None
-    dv2 = alloc(do.shape, do.dtype, dev)
+    dh = alloc((B, NT, HV, K, V), qg.dtype, do)
+    dh0 = alloc((N, HV, K, V), torch.float32, do) if h0 is not None else None
+    dv2 = alloc(do.shape, do.dtype, do)
     dummy = P.dummy(dev)
     table, table_dyn = P.chunk_args(chunks, dev)
     args = (

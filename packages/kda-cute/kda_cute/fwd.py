@@ -257,8 +257,8 @@ def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunk
     if scale is None:
         scale = K**-0.5
     dev = u.device
-    o = alloc(u.shape, u.dtype, dev)
-    ht = alloc((N, HV, K, V), torch.float32, dev) if output_final_state else None
+    o = alloc(u.shape, u.dtype, u)
+    ht = alloc((N, HV, K, V), torch.float32, u) if output_final_state else None
     dummy = P.dummy(dev)
     h0 = initial_state if initial_state is not None else dummy
     table, table_dyn = P.chunk_args(chunks, dev)

@@ -352,7 +352,7 @@ def compile_for(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_
 
     from ._common.cache import cute_view
 
-    outs = _outputs(q, gk, beta, emit_bf16, device=q.device)
+    outs = _outputs(q, gk, beta, emit_bf16)
     args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, *outs)
     views = [cute_view(t, (0, 1)) for t in args]
     return _build(views, cuda.CUstream(0), _config(q, gk, beta, fold_dg, emit_bf16, pf),
@@ -370,14 +370,14 @@ def _build(views, stream, cfg: IntraConfig, options: str = ""):
     return cute.compile(kern, *views, stream, options=opts)
 
 
-def _outputs(q, gk, beta, emit_bf16, device):
+def _outputs(q, gk, beta, emit_bf16):
     B, T, HV, K = gk.shape
     qk_dt = q.dtype if emit_bf16 else torch.float32
     return (
-        alloc((B, T, HV, K), qk_dt, device),
-        alloc((B, T, HV, K), qk_dt, device),
-        alloc((B, T, HV), torch.float32, device),
-        alloc((B, T, HV, K), torch.float32, device),
+        alloc((B, T, HV, K), qk_dt, q),
+        alloc((B, T, HV, K), qk_dt, q),
+        alloc((B, T, HV), torch.float32, q),
+        alloc((B, T, HV, K), torch.float32, q),
     )
 
 
@@ -396,7 +396,7 @@ def bwd_intra(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf
 def launch(q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, fold_dg=False, emit_bf16=False, *, pf=None):
     """`bwd_intra` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    outs = _outputs(q, gk, beta, emit_bf16, q.device)
+    outs = _outputs(q, gk, beta, emit_bf16)
     args = (q, k, gk, beta, dAqk, dAkk, dq, dk, db, dg, *outs)
     cfg = _config(q, gk, beta, fold_dg, emit_bf16, pf)
     _cache.launch(cfg, args, ((0, 1),) * len(args),

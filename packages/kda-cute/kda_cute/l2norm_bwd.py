@@ -120,7 +120,7 @@ def _build(views, stream, cfg: L2BwdConfig, options: str = ""):
 def compile_for(y, rstd, dy, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
     cfg = _config(y, dy)
-    dx = alloc(tuple(y.shape), y.dtype, y.device)
+    dx = alloc(y.shape, y.dtype, y)
     return _warp.compile_only(lambda views, stream, opts: _build(views, stream, cfg, opts),
                               (y, rstd, dy, dx), keep_ptx)
 
@@ -135,7 +135,7 @@ def l2norm_bwd(y, rstd, dy):
 
 def launch(y, rstd, dy):
     """`l2norm_bwd` without its checks: for a caller whose `is_supported` just said None."""
-    dx = alloc(tuple(y.shape), y.dtype, y.device)
+    dx = alloc(y.shape, y.dtype, y)
     cfg = _config(y, dy)
     _warp.launch(_cache, cfg, (y, rstd, dy, dx), lambda views, stream, opts: _build(views, stream, cfg, opts))
     return dx

@@ -106,7 +106,7 @@ def _config(x) -> L2Config:
 
 
 def _outputs(x):
-    return alloc(tuple(x.shape), x.dtype, x.device), alloc(tuple(x.shape[:3]), torch.float32, x.device)
+    return alloc(x.shape, x.dtype, x), alloc(x.shape[:3], torch.float32, x)
 
 
 def _build(views, stream, cfg: L2Config, options: str = ""):

@@ -800,15 +800,22 @@ class PrepConfig:
     l2norm: bool = False  # q, k given raw: L2-normalized in the kernel, written out with their rstds (fwd)
 
 
-def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg,
-            l2norm=False) -> PrepConfig:
-    gate = _warp.gate_form(use_gate_in_kernel, lower_bound)
-    return PrepConfig(DT[q.dtype], DT[beta.dtype], DT[g.dtype], q.shape[3], v.shape[3], q.shape[2],
-                      v.shape[2], float(scale), bool(want_qg), gate, gate != "none" and dt_bias is not None,
-                      float(lower_bound or 0.0), compile_arch(), l2norm=bool(l2norm))
+def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm=False,
+            recompute=False) -> PrepConfig:
+    return _config_of(q.dtype, beta.dtype, g.dtype, q.shape[3], v.shape[3], q.shape[2], v.shape[2],
+                      float(scale), bool(want_qg), bool(use_gate_in_kernel), lower_bound, dt_bias is not None,
+                      compile_arch(), bool(recompute), bool(l2norm))
 
 
-def _outputs(q, v, want_qg, device, l2norm=False):
+@functools.lru_cache(maxsize=256)  # one build per call signature: ~10 us of host time per call otherwise
+def _config_of(io, beta, g, K, V, H, HV, scale, want_qg, use_gate, lower_bound, has_bias, arch, recompute,
+               l2norm) -> PrepConfig:
+    gate = _warp.gate_form(use_gate, lower_bound)
+    return PrepConfig(DT[io], DT[beta], DT[g], K, V, H, HV, scale, want_qg, gate, gate != "none" and has_bias,
+                      float(lower_bound or 0.0), arch, recompute, l2norm)
+
+
+def _outputs(q, v, want_qg, l2norm=False):
     """gk (fp32), then w, u, qg (None unless want_qg), kg, Aqk, Akk in q's dtype, and with l2norm
     q, k normalized (q's dtype, [B, T, H, K]) and their rstds ([B, T, H] fp32): fresh."""
     B, T, HV, V = v.shape
@@ -816,16 +823,16 @@ def _outputs(q, v, want_qg, device, l2norm=False):
     io = q.dtype
     l2 = ()
     if l2norm:
-        l2 = (alloc((B, T, H, K), io, device), alloc((B, T, H, K), io, device),
-              alloc((B, T, H), torch.float32, device), alloc((B, T, H), torch.float32, device))
+        l2 = (alloc((B, T, H, K), io, q), alloc((B, T, H, K), io, q),
+              alloc((B, T, H), torch.float32, q), alloc((B, T, H), torch.float32, q))
     return (
-        alloc((B, T, HV, K), torch.float32, device),  # gk
-        alloc((B, T, HV, K), io, device),  # w
-        alloc((B, T, HV, V), io, device),  # u
-        alloc((B, T, HV, K), io, device) if want_qg else None,  # qg
-        alloc((B, T, HV, K), io, device),  # kg
-        alloc((B, T, HV, BT), io, device),  # Aqk
-        alloc((B, T, HV, BT), io, device),  # Akk
+        alloc((B, T, HV, K), torch.float32, q),  # gk
+        alloc((B, T, HV, K), io, q),  # w
+        alloc((B, T, HV, V), io, q),  # u
+        alloc((B, T, HV, K), io, q) if want_qg else None,  # qg
+        alloc((B, T, HV, K), io, q),  # kg
+        alloc((B, T, HV, BT), io, q),  # Aqk
+        alloc((B, T, HV, BT), io, q),  # Akk
         *l2,  # q, k normalized, q_rstd, k_rstd
     )
 
@@ -860,7 +867,7 @@ def compile_for(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kerne
                 keep_ptx=False, l2norm=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
     cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm)
-    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, _outputs(q, v, want_qg, q.device, l2norm))
+    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, _outputs(q, v, want_qg, l2norm))
     return _warp.compile_only(lambda views, stream, opts: _build(views, stream, cfg, opts), args, keep_ptx)
 
 
@@ -880,7 +887,7 @@ def fwd_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, 
 def launch(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
            want_qg=False, l2norm=False):
     """`fwd_prep` without its checks: for a caller whose `is_supported` just said None."""
-    outs = _outputs(q, v, want_qg, q.device, l2norm)
+    outs = _outputs(q, v, want_qg, l2norm)
     cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm)
     args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _build(views, stream, cfg, opts))

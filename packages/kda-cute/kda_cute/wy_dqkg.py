@@ -932,25 +932,31 @@ class WyDqkgConfig:
     g_dtype: str = ""  # fused, with the gate: the raw gate's dtype ("fp32" / "bf16" / "fp16")
 
 
-def _config(q, v, beta, scale, want_dAqk) -> WyDqkgConfig:
-    return WyDqkgConfig(DT[q.dtype], DT[beta.dtype], q.shape[3], v.shape[3], q.shape[2], v.shape[2],
-                        float(scale), bool(want_dAqk), compile_arch())
+def _config(q, v, beta, scale, want_dAqk, **fused) -> WyDqkgConfig:
+    """The config for these operands; `fused`: kda_cute.bwd_chunk's fields (fused=True, ...)."""
+    return _config_of(q.dtype, beta.dtype, q.shape[3], v.shape[3], q.shape[2], v.shape[2], float(scale),
+                      bool(want_dAqk), compile_arch(), tuple(fused.items()))
 
 
-def _outputs(q, v, want_dAqk, device):
+@functools.lru_cache(maxsize=256)  # one build per call signature: ~10 us of host time per call otherwise
+def _config_of(io, beta, K, V, H, HV, scale, want_dAqk, arch, fused: tuple) -> WyDqkgConfig:
+    return WyDqkgConfig(DT[io], DT[beta], K, V, H, HV, scale, want_dAqk, arch, **dict(fused))
+
+
+def _outputs(q, v, want_dAqk):
     """dq, dk, dv2, db, dg, dAkk, then dAqk with want_dAqk: fresh."""
     B, T, HV, V = v.shape
     K = q.shape[3]
     outs = (
-        alloc((B, T, HV, K), torch.float32, device),  # dq
-        alloc((B, T, HV, K), torch.float32, device),  # dk
-        alloc((B, T, HV, V), v.dtype, device),  # dv2
-        alloc((B, T, HV), torch.float32, device),  # db
-        alloc((B, T, HV, K), torch.float32, device),  # dg
-        alloc((B, T, HV, BT), torch.float32, device),  # dAkk
+        alloc((B, T, HV, K), torch.float32, q),  # dq
+        alloc((B, T, HV, K), torch.float32, q),  # dk
+        alloc((B, T, HV, V), v.dtype, q),  # dv2
+        alloc((B, T, HV), torch.float32, q),  # db
+        alloc((B, T, HV, K), torch.float32, q),  # dg
+        alloc((B, T, HV, BT), torch.float32, q),  # dAkk
     )
     if want_dAqk:
-        outs += (alloc((B, T, HV, BT), torch.float32, device),)  # dAqk
+        outs += (alloc((B, T, HV, BT), torch.float32, q),)  # dAqk
     return outs
 
 
@@ -973,7 +979,7 @@ def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
 def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, want_dAqk=False, keep_ptx=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
     cfg = _config(q, v, beta, scale, want_dAqk)
-    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), _outputs(q, v, want_dAqk, q.device))
+    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), _outputs(q, v, want_dAqk))
     return _warp.compile_only(lambda views, stream, opts: _build(views, stream, cfg, opts), args, keep_ptx)
 
 
@@ -989,7 +995,7 @@ def bwd_wy_dqkg(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, want_dAqk=F
 def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, want_dAqk=False):
     """`bwd_wy_dqkg` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    outs = _outputs(q, v, want_dAqk, q.device)
+    outs = _outputs(q, v, want_dAqk)
     args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs)
     cfg = _config(q, v, beta, scale, want_dAqk)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _build(views, stream, cfg, opts))

@@ -48,7 +48,7 @@ def emulate_intra(text, args, emit_bf16=False, ctas=None):
     B, T, _, _ = args[0].shape
     HV = args[2].shape[2]
     prog = Program(text)
-    outs = intra._outputs(args[0], args[2], args[3], emit_bf16, "cpu")
+    outs = intra._outputs(args[0], args[2], args[3], emit_bf16)
     for t in outs:
         t.fill_(float("nan"))
     tensors = [*args, *outs]

@@ -36,7 +36,7 @@ def emulate_prep(text, args, want_qg=True, ctas=None, l2norm=False):
     from kda_cute import prep
 
     q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
-    outs = prep._outputs(q, v, want_qg, "cpu", l2norm)
+    outs = prep._outputs(q, v, want_qg, l2norm)
     ctas = _poisoned_grid(outs, v, ctas)
     cfg = prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in, 1.0, want_qg, l2norm)
     tensors = list(prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs))
@@ -77,7 +77,7 @@ def emulate_bwd_prep(text, args, Akk, ctas=None):
     from kda_cute import bwd_prep
 
     q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
-    outs = bwd_prep._outputs(q, v, "cpu")
+    outs = bwd_prep._outputs(q, v)
     ctas = _poisoned_grid(outs, v, ctas)
     cfg = bwd_prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in)
     tensors = list(bwd_prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs))

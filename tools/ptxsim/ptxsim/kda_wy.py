@@ -30,7 +30,7 @@ def emulate_wy_dqkg(text, args, ctas=None, want_dAqk=False):
     q, v = args[0], args[2]
     B, T, HV, _ = v.shape
     prog = wy_program(text)
-    outs = wy_dqkg._outputs(q, v, want_dAqk, "cpu")
+    outs = wy_dqkg._outputs(q, v, want_dAqk)
     for t in outs:
         t.fill_(float("nan"))
     if ctas is None:
@@ -84,7 +84,7 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
     prog = wy_program(text)
     gate = gate or {}
     _, outs, parts, tensors = bwd_chunk._prepare(*args[:11], 1.0, emit_bf16, *(rstd or (None, None)),
-                                                 device="cpu", **gate)
+                                                 **gate)
     for t in (*outs, *(parts or ())):
         if t is not None:
             t.fill_(float("nan"))

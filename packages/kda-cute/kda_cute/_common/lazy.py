@@ -10,8 +10,10 @@ class LazyModule:
     def __init__(self, name: str):
         self._name = name
 
-    def __getattr__(self, attr):
-        return getattr(importlib.import_module(self._name), attr)
+    def __getattr__(self, attr):  # once per attribute: then it is an instance attribute (no import call)
+        value = getattr(importlib.import_module(self._name), attr)
+        setattr(self, attr, value)
+        return value
 
 
 def cutlass_dtype(name: str):

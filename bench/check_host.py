@@ -1,0 +1,110 @@
+"""The chain's host path on a CPU, kernels stubbed: what one fwd+bwd costs in Python and torch
+before any GPU work, measured where no GPU is (issue #20's host-time target).
+
+Every stage takes its CuTe implementation exactly as on the H200 (the gates, the plans, each kernel
+module's `launch`: configs, fresh outputs, the call cache), except that the compiled kernel is not
+called (`CallCache.launch` does nothing) and the device checks answer as for an H200. Outputs stay
+uninitialized; nothing here checks numbers. What it leaves out against the device machine: the
+TVM-FFI call itself (~5-25 us per launch there: bench/check_tvm_ffi.py), the CUDA caching
+allocator (torch.empty: ~4.7 us there, bench/check_launch.py --profile), autograd's device thread.
+
+    python bench/check_host.py [--B 2 --T 256 --H 16 --V 128] [--steps 300] [--profile]
+
+The shape changes nothing but the CPU reductions' size: T is small so torch's CPU ops stay cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import torch  # noqa: E402
+
+
+def stub_device(sm_count: int = 132) -> None:
+    """Every kda_cute / kda_chain module's device checks answer as for an sm_90 GPU with
+    `sm_count` SMs, and no kernel is called."""
+    import kda_chain  # noqa: F401  (imports every stage module through the registry)
+    from kda_cute import registry
+    from kda_cute._common import cache, support
+
+    for rec in registry.STAGES:
+        rec.load()
+    real = {"device_reason": support.device_reason, "sm_count_of": support.sm_count_of}
+    fake = {"device_reason": lambda t: None, "sm_count_of": lambda t: sm_count}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(("kda_cute", "kda_chain")):
+            continue
+        for attr, fn in real.items():
+            if getattr(mod, attr, None) is fn:
+                setattr(mod, attr, fake[attr])
+    cache.CallCache.launch = lambda self, *a, **k: None
+
+
+def make_step(B, T, H, V, K=128):
+    from kda_chain import chunk_kda
+
+    g = torch.Generator().manual_seed(0)
+
+    def r(*s):
+        return torch.randn(s, generator=g).to(torch.bfloat16).requires_grad_(True)
+
+    q, k, v, gate, beta = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H, K), r(B, T, H)
+    A_log = torch.zeros(H)
+    do = torch.randn(B, T, H, V).to(torch.bfloat16)
+    leaves = (q, k, v, gate, beta)
+
+    def step():
+        for t in leaves:  # as an optimizer's zero_grad(set_to_none=True): no accumulation kernels
+            t.grad = None
+        o, _ = chunk_kda(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                         A_log=A_log)
+        o.backward(do)
+
+    return step
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, default=2)
+    ap.add_argument("--T", type=int, default=256)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--V", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--profile", action="store_true", help="cProfile the steps, by own time")
+    a = ap.parse_args()
+    stub_device()
+    from kda_chain import stages as S
+
+    step = make_step(a.B, a.T, a.H, a.V)
+    S.reset_dispatch_log()
+    step()
+    ran = sorted({f"{c.stage}:{c.impl}" for c in S.dispatch_log()})
+    print("stages:", " ".join(ran))
+    for _ in range(20):
+        step()
+    ts = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    print(f"host us per fwd+bwd (B{a.B} T{a.T} H{a.H} V{a.V}, kernels stubbed): median "
+          f"{ts[len(ts) // 2] * 1e6:.0f}, p10 {ts[len(ts) // 10] * 1e6:.0f}")
+    if a.profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(a.steps):
+            step()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
