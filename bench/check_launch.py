@@ -124,13 +124,19 @@ def _chain_step(B, T, H, V):
     def r(*s):
         return torch.randn(s, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(True)
 
-    q, k, v, gate, beta = r(B, T, H, 128), r(B, T, H, 128), r(B, T, H, V), r(B, T, H, 128), r(B, T, H)
+    q, k, v, gate = r(B, T, H, 128), r(B, T, H, 128), r(B, T, H, V), r(B, T, H, 128)
+    beta = torch.rand(B, T, H, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(True)
     A_log = torch.zeros(H, device="cuda")
     do = torch.randn(B, T, H, V, device="cuda").to(torch.bfloat16)
+    leaves = (q, k, v, gate, beta)
 
     def step(fn):
-        o, _ = fn(q, k, v, gate, beta.sigmoid(), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                  A_log=A_log)
+        # the call alone: no op of the harness's own in the graph (beta is a leaf in (0, 1)), and the
+        # leaves' gradients reset as an optimizer's zero_grad(set_to_none=True) does (accumulating
+        # into them would add five kernels per step to both implementations; until 2026-12-02 it did)
+        for t in leaves:
+            t.grad = None
+        o, _ = fn(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log)
         o.backward(do)
 
     return {"ours": lambda: step(chunk_kda), "fla": lambda: step(fla_kda)}
@@ -217,6 +223,32 @@ def host_parts(n=2000):
         print(f"| {name} | {host_us(fn, n):.2f} |", flush=True)
 
 
+def kernel_call_costs(step, n=100):
+    """Host us of each compiled CuTe call alone, on the arguments a chain step gave it (the
+    TVM-FFI call with its tensors: what no Python of ours can remove), against the stage's whole
+    launch (the module's `launch`: configs, outputs, the call cache, the call)."""
+    from kda_cute._common.cache import CallCache
+
+    seen = []
+    orig = CallCache.launch
+
+    def launch(self, compile_key, args, dyn_modes, build):
+        orig(self, compile_key, args, dyn_modes, build)
+        seen.append((self.name, self.compiled[(compile_key, args[0].device.index)], tuple(args)))
+
+    CallCache.launch = launch
+    try:
+        step()
+    finally:
+        CallCache.launch = orig
+    torch.cuda.synchronize()
+    print("\n### the compiled call alone (TVM-FFI with torch tensors), host us/call\n"
+          "| kernel | tensors | us |\n|---|---|---|")
+    for name, fn, args in seen:
+        print(f"| {name} | {len(args)} | {host_us(lambda fn=fn, args=args: fn(*args), n):.1f} |", flush=True)
+    seen.clear()  # the tensors go with it
+
+
 def host_profile(B, T, H, V, steps=10, pstats_dir=None):
     """Where our chain's host time goes: (1) every synchronizing CUDA call made during one step
     (torch's sync debug mode, warnings recorded on every thread), (2) cProfile of `steps` steps
@@ -249,6 +281,7 @@ def host_profile(B, T, H, V, steps=10, pstats_dir=None):
         for line in syncs[:20]:
             print("   ", line, flush=True)
     stage_host_times(fns["ours"], steps)
+    kernel_call_costs(fns["ours"])
     torch.autograd.set_multithreading_enabled(False)
     try:
         for name, fn in fns.items():
