@@ -10,7 +10,12 @@ import torch
 
 
 def device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """`t`'s CUDA device made current for the block; nothing to do (no guard's host cost) when it
+    already is, or for a tensor not on CUDA."""
+    dev = t.device
+    if dev.type != "cuda" or dev.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(dev)
 
 
 class EmptyKDAFunction(torch.autograd.Function):

@@ -119,4 +119,4 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks):
         kept = Kept(w, u, qg, kg, h, v_new)
     saved = Saved(q, q_rstd, k, k_rstd, v, gk if kept else None, g, beta_raw,
                   beta, A_log, dt_bias, Aqk, Akk, initial_state, kept, chunks)
-    return o.to(q.dtype), ht, saved
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), ht, saved
