@@ -558,6 +558,8 @@ def test_plan_replays_every_decision_and_notices_a_changed_stage(monkeypatch):
     again, o2 = step()
     assert again == first and torch.equal(o1, o2)
     assert len(asked) == 2, "one signature per direction (fwd, bwd), none per stage"
+    assert [a[0][0] for a in asked] == ["fwd", "bwd"] and len(asked[1][0]) == 3, \
+        "the backward's plan: the forward's key and do / dht only, not every saved tensor"
 
     seen = []
 
