@@ -14,6 +14,7 @@ T4096 H16.
 """
 
 import argparse
+import contextlib
 import math
 import sys
 
@@ -23,6 +24,7 @@ from cuda_clock import median_ms  # bench/ (this script's directory)
 from kda_cute import reference as ref
 from kda_cute._common.support import sm_count
 from kda_cute.reference import rel_err
+from poison import poisoned_outputs
 
 RCP_LN2 = 1.0 / math.log(2.0)
 INNER = 3  # calls per timing sample
@@ -58,26 +60,9 @@ def fla_intra(args, fold=False):
     return dq2, dk2, db2, dg2
 
 
-_poison = {"on": False}
-_orig_alloc = intra.alloc
-
-
-def _alloc_poisoned(shape, dtype, like):
-    t = _orig_alloc(shape, dtype, like)
-    if _poison["on"]:
-        t.fill_(float("nan"))
-    return t
-
-
-intra.alloc = _alloc_poisoned
-
-
 def ours(args, fold=False, emit=False, poison=False):
-    _poison["on"] = poison
-    try:
+    with poisoned_outputs(intra) if poison else contextlib.nullcontext():
         return intra.bwd_intra(*args, fold_dg=fold, emit_bf16=emit)
-    finally:
-        _poison["on"] = False
 
 
 def check_shape(name, B, T, H, HV, K, dtype=torch.bfloat16, gmin=-0.5, ref_batches=None, plain=True):

@@ -33,12 +33,6 @@ import kda_cute.dhu as dhu
 import kda_cute.intra as intra
 import torch
 from cuda_clock import median_ms
-from kda_cute._common.cache import alloc
-
-# check_scans / check_intra wrap their kernels' `alloc` (NaN poison, off unless asked) at import:
-# host times here are of the real path (the wrappers cost ~7 us per output on the H200 machine)
-for _m in (*cs.MODS, intra):
-    _m.alloc = alloc
 
 
 def host_us(fn, n: int) -> float:

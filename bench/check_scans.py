@@ -31,10 +31,10 @@ from cuda_clock import median_ms  # bench/ (this script's directory)
 from kda_chain.testing import fla_dhu, scan_inputs  # fla_dhu: fla's bwd_dAv + bwd_dhu, what dhu replaces
 from kda_cute import reference as ref
 from kda_cute.reference import rel_err
+from poison import poisoned_outputs  # bench/
 
 INNER = 3  # calls per timing sample
 MODS = (b1, fwd, dhu)
-_poison = {"on": False}
 ONLY: set = {"b1", "fwd", "dhu"}  # --stage narrows it
 _T0 = time.perf_counter()
 
@@ -42,22 +42,6 @@ _T0 = time.perf_counter()
 def say(msg):
     """Timestamped progress: on a hang, the last line and the stack dump say where."""
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
-
-
-def _wrap_alloc(mod):
-    orig = mod.alloc
-
-    def alloc(shape, dtype, like):
-        t = orig(shape, dtype, like)
-        if _poison["on"]:
-            t.fill_(float("nan"))
-        return t
-
-    mod.alloc = alloc
-
-
-for _m in MODS:
-    _wrap_alloc(_m)
 
 
 make_inputs = scan_inputs  # kda_chain.testing; ab_stage, check_launch, ncu_profile call it by this name
@@ -101,11 +85,8 @@ def ours_dhu(d, var=None, mod=dhu):
 
 
 def poisoned(fn, *a, **kw):
-    _poison["on"] = True
-    try:
+    with poisoned_outputs(*MODS):
         return fn(*a, **kw)
-    finally:
-        _poison["on"] = False
 
 
 def _sub(d, nb):
