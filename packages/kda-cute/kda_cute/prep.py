@@ -95,7 +95,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _warp
-from ._common.cache import CallCache, alloc
+from ._common.cache import CallCache, alloc, interned
 from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch
 from ._warp import BT, BV, DT, LN2, LOG2E
@@ -800,19 +800,15 @@ class PrepConfig:
     l2norm: bool = False  # q, k given raw: L2-normalized in the kernel, written out with their rstds (fwd)
 
 
+_new_config = interned(PrepConfig)
+
+
 def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm=False,
             recompute=False) -> PrepConfig:
-    return _config_of(q.dtype, beta.dtype, g.dtype, q.shape[3], v.shape[3], q.shape[2], v.shape[2],
-                      float(scale), bool(want_qg), bool(use_gate_in_kernel), lower_bound, dt_bias is not None,
-                      compile_arch(), bool(recompute), bool(l2norm))
-
-
-@functools.lru_cache(maxsize=256)  # one build per call signature: ~10 us of host time per call otherwise
-def _config_of(io, beta, g, K, V, H, HV, scale, want_qg, use_gate, lower_bound, has_bias, arch, recompute,
-               l2norm) -> PrepConfig:
-    gate = _warp.gate_form(use_gate, lower_bound)
-    return PrepConfig(DT[io], DT[beta], DT[g], K, V, H, HV, scale, want_qg, gate, gate != "none" and has_bias,
-                      float(lower_bound or 0.0), arch, recompute, l2norm)
+    gate = _warp.gate_form(use_gate_in_kernel, lower_bound)
+    return _new_config(DT[q.dtype], DT[beta.dtype], DT[g.dtype], q.shape[3], v.shape[3], q.shape[2],
+                       v.shape[2], float(scale), bool(want_qg), gate, gate != "none" and dt_bias is not None,
+                       float(lower_bound or 0.0), compile_arch(), bool(recompute), bool(l2norm))
 
 
 def _outputs(q, v, want_qg, l2norm=False):

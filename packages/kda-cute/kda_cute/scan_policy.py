@@ -10,11 +10,11 @@ The device half (views, TMA, wgmma, the mbarrier ring) is `kda_cute._scan`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
 
+from ._common.cache import interned
 from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch, sm_count_of
 
@@ -160,14 +160,11 @@ class ScanConfig:
         """The config for operands like `t` ([B, T, HV, V] in the operand dtype), kg's heads and
         the chunk table (or None)."""
         HV = t.shape[2]
-        return _config_of(cls, DTYPES[t.dtype], t.shape[3], HV, HV // kg.shape[2], stages, nwg,
-                          chunks is not None, compile_arch(), tuple(fields.items()))
+        return _new_config(cls, dtype=DTYPES[t.dtype], V=t.shape[3], HV=HV, ratio_k=HV // kg.shape[2],
+                           stages=stages, nwg=nwg, varlen=chunks is not None, arch=compile_arch(), **fields)
 
 
-@functools.lru_cache(maxsize=256)  # one build per call signature: ~10 us of host time per call otherwise
-def _config_of(cls, dtype, V, HV, ratio_k, stages, nwg, varlen, arch, fields: tuple):
-    return cls(dtype=dtype, V=V, HV=HV, ratio_k=ratio_k, stages=stages, nwg=nwg, varlen=varlen, arch=arch,
-               **dict(fields))
+_new_config = interned(lambda cls, **fields: cls(**fields))  # (a build per config class and signature)
 
 
 class Build:

@@ -86,7 +86,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _warp
-from ._common.cache import CallCache, alloc
+from ._common.cache import CallCache, alloc, interned
 from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch
 from ._intra_walk import walk_class
@@ -932,15 +932,13 @@ class WyDqkgConfig:
     g_dtype: str = ""  # fused, with the gate: the raw gate's dtype ("fp32" / "bf16" / "fp16")
 
 
+_new_config = interned(WyDqkgConfig)
+
+
 def _config(q, v, beta, scale, want_dAqk, **fused) -> WyDqkgConfig:
     """The config for these operands; `fused`: kda_cute.bwd_chunk's fields (fused=True, ...)."""
-    return _config_of(q.dtype, beta.dtype, q.shape[3], v.shape[3], q.shape[2], v.shape[2], float(scale),
-                      bool(want_dAqk), compile_arch(), tuple(fused.items()))
-
-
-@functools.lru_cache(maxsize=256)  # one build per call signature: ~10 us of host time per call otherwise
-def _config_of(io, beta, K, V, H, HV, scale, want_dAqk, arch, fused: tuple) -> WyDqkgConfig:
-    return WyDqkgConfig(DT[io], DT[beta], K, V, H, HV, scale, want_dAqk, arch, **dict(fused))
+    return _new_config(DT[q.dtype], DT[beta.dtype], q.shape[3], v.shape[3], q.shape[2], v.shape[2],
+                       float(scale), bool(want_dAqk), compile_arch(), **fused)
 
 
 def _outputs(q, v, want_dAqk):

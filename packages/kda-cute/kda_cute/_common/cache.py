@@ -41,7 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -131,6 +131,14 @@ def current_stream(device: torch.device) -> tuple[int, object]:
 
     handle = torch.cuda.current_stream(device).cuda_stream
     return handle, cuda.CUstream(handle)
+
+
+def interned(make: Callable) -> Callable:
+    """`make` (a frozen config's class, or a function building one) memoized on its arguments: one
+    instance per distinct config, so a stage builds its compile key once per call signature, not
+    per call (~10 us of host time on the H200 machine for a dataclass of ~15 fields). The
+    arguments must be hashable and canonical (bools as bools, floats as floats)."""
+    return lru_cache(maxsize=256)(make)
 
 
 def alloc(shape: Sequence[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
