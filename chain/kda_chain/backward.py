@@ -21,10 +21,13 @@
                                with the CuTe kernel, fold_dg=True (dg comes out reverse-cumsummed,
                                so dg_cumsum is skipped) and, when HV == H, emit_bf16=True
       dg_cumsum                only when intra was not the CuTe kernel
-    gva_sum                    dq, dk summed over each group of HV // H value heads, in fp32
     gate_bwd                   only with the gate in kernel, where bwd_chunk did not fold it
                                -> dg_raw, dA_log, ddt_bias
-    l2norm_bwd, beta_sigmoid_bwd   only with those flags
+    l2norm_bwd                 only with that flag (where bwd_chunk did not fold it); with GVA it
+                               takes dq, dk per value head and sums each group inside
+    gva_sum                    GVA without l2norm_bwd: dq, dk summed over each group of HV // H
+                               value heads, in fp32
+    beta_sigmoid_bwd           only with that flag
 """
 
 from __future__ import annotations
@@ -164,14 +167,14 @@ def _chunk_parallel(wy_in: list, dh0, dAqk, s: Saved, f: Flags):
             dq, dk, dv, db, dg = _wy_then_intra(wy_in, dAqk, s, f, emit_bf16)
     del dAqk  # (bwd_dAv's, where dhu was not the CuTe kernel)
 
-    if HV > H:
-        dq = S.gva_sum(dq, H)
-        dk = S.gva_sum(dk, H)
     if f.use_gate_in_kernel and not gate_done:
         dg, dA_log, ddt_bias = S.gate_bwd(s.g, s.A_log, s.dt_bias, dg, f.lower_bound)
-    if f.use_qk_l2norm_in_kernel and not l2norm_done:
+    if f.use_qk_l2norm_in_kernel and not l2norm_done:  # (GVA: each stage sums the group inside)
         dq = S.l2norm_bwd(q, s.q_rstd, dq)
         dk = S.l2norm_bwd(k, s.k_rstd, dk)
+    elif HV > H:
+        dq = S.gva_sum(dq, H)
+        dk = S.gva_sum(dk, H)
     if f.use_beta_sigmoid_in_kernel:
         db = S.beta_sigmoid_bwd(s.beta_raw, db, f.beta_scale)
     return dq, dk, dv, dg, db, dA_log, ddt_bias, dh0

@@ -478,6 +478,9 @@ def _fla_l2norm_fwd(x):
 
 
 def _fla_l2norm_bwd(y, rstd, dy):
+    # dy's GVA form [B, T, G*H, K] (a gradient per value head): summed per group first, as fla does
+    if dy.shape != y.shape:
+        dy = ref.gva_sum(dy, y.shape[2])
     return _fla("fla.modules.norm.l2norm", "l2norm_bwd")(y, rstd, dy)
 
 

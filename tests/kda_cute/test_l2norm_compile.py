@@ -31,17 +31,21 @@ def test_fwd_ptx_computes_the_contract(ptx, dtype, K):
     assert ref.rel_err(rstd, wr) <= 2 * ref.rel_err(fr, wr) + 1e-7
 
 
-@pytest.mark.parametrize("dy_dtype", [torch.bfloat16, torch.float32])
-def test_bwd_ptx_computes_the_contract(ptx, dy_dtype):
-    """dy in y's dtype (intra's emit_bf16) and in fp32 (after gva_sum)."""
+@pytest.mark.parametrize("dy_dtype, G", [(torch.bfloat16, 1), (torch.float32, 1), (torch.float32, 2),
+                                         (torch.float32, 3)])
+def test_bwd_ptx_computes_the_contract(ptx, dy_dtype, G):
+    """dy in y's dtype (bwd_chunk's emit_bf16), in fp32, and in fp32 per value head (GVA: G value
+    heads per row head, the group summed inside as gva_sum would)."""
     x = _x(1, 13, 2, 128, torch.bfloat16, seed=1)
     y, rstd = ref.l2norm_fwd(x)
-    dy = _x(1, 13, 2, 128, dy_dtype, seed=2)
+    dy = _x(1, 13, 2 * G, 128, dy_dtype, seed=2)
     dx = emulate_l2norm_bwd(ptx(Bw.compile_for(y, rstd, dy, keep_ptx=True)), y, rstd, dy)
     want = ref.l2norm_bwd(y.double(), rstd.double(), dy.double())
     fla = ref.l2norm_bwd(y.float(), rstd, dy.float()).to(y.dtype)
     assert torch.isfinite(dx.float()).all(), "unwritten rows"
     assert ref.rel_err(dx, want) <= 2 * ref.rel_err(fla, want) + 1e-7
+    if G > 1:  # the same as summing first: gva_sum (fp32, head order) then the kernel's G = 1 form
+        assert ref.rel_err(dx, ref.l2norm_bwd(y.float(), rstd, ref.gva_sum(dy, 2)).to(y.dtype)) < 4e-3
 
 
 def test_reasons():
@@ -53,5 +57,7 @@ def test_reasons():
     y, r = ref.l2norm_fwd(x)
     assert "rstd must be" in Bw.is_supported(y, r.double(), y)
     assert "dy must be" in Bw.is_supported(y, r, y.half())
+    assert "dy must be" in Bw.is_supported(y, r, torch.cat([y, y], 2))  # GVA form in fp32 only
+    assert "at most 8" in Bw.is_supported(y, r, torch.zeros(1, 4, 9, 128))
     with pytest.raises(ValueError, match="unsupported call: K=48"):
         F.l2norm_fwd(x[..., :48].contiguous())

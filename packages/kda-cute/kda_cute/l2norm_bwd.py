@@ -2,7 +2,10 @@
 chain's stage `l2norm_bwd` with use_qk_l2norm_in_kernel).
 
 Per row (one (token, head)), from the forward's y and rstd and the incoming dy (y's dtype or fp32):
-dx = rstd (dy - (dy . y) y), the dot in fp32, dx in y's dtype.
+dx = rstd (dy - (dy . y) y), the dot in fp32, dx in y's dtype. With GVA (dy [B, T, HV, K] fp32,
+HV = G H: the chunk-parallel backward's dq / dk per value head) the row's dy is first summed over its
+group of G value heads h G .. h G + G - 1 in fp32, in head order (the stage gva_sum, folded in: its
+fp32 [B, T, H, K] round trip and two launches per call are gone).
 
 CTA decomposition: 256 threads = 8 warps, one token per warp, the warp walking the token's H heads
 (H static: the row stride is an immediate); a lane holds K / 32 adjacent values, the sum is a
@@ -13,7 +16,7 @@ at); the device time is a copy's and a half (read y, dy, write dx). Today (H200,
 witness at B16 T8192 H16 K128 bf16): 0.762 ms for q and k together against fla's 0.730 (0.96x).
 
 Constraints: y [B, T, H, K] bf16 / fp16, K % 32 == 0 and K <= 256, rstd [B, T, H] fp32, dy y's
-shape in y's dtype or fp32; contiguous, 16-byte aligned.
+shape in y's dtype or fp32, or [B, T, G H, K] fp32; contiguous, 16-byte aligned.
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_l2norm_compile.py) against float64.
 """
 
@@ -29,6 +32,7 @@ from ._common.support import compile_arch
 from ._warp import DT
 
 THREADS = 256
+MAX_GROUP = 8  # GVA value heads summed per row (unrolled loads: more would be a loop's job)
 TOK = THREADS // 32  # tokens per CTA: one per warp
 _cache = CallCache("kda_cute_l2norm_bwd")
 
@@ -41,10 +45,11 @@ def _build_kernel_class():
     f32 = cutlass.Float32
 
     class _Kernel:
-        def __init__(self, io_dtype, H: int, K: int):
+        def __init__(self, io_dtype, H: int, K: int, G: int):
             self.io_dtype = io_dtype
             self.H = H
             self.K = K
+            self.G = G
 
         @cute.jit
         def __call__(self, mY: cute.Tensor, mR: cute.Tensor, mDy: cute.Tensor, mDx: cute.Tensor, stream):
@@ -63,7 +68,10 @@ def _build_kernel_class():
             if t < cute.size(mY, mode=[1]):
                 for h in cutlass.range_constexpr(self.H):
                     y = cute.local_tile(mY[b, t, h, None], (KP,), (lane,)).load().to(f32)
-                    dy = cute.local_tile(mDy[b, t, h, None], (KP,), (lane,)).load().to(f32)
+                    hv = h * self.G
+                    dy = cute.local_tile(mDy[b, t, hv, None], (KP,), (lane,)).load().to(f32)
+                    for j in cutlass.range_constexpr(1, self.G):  # GVA: the group's value heads
+                        dy = dy + cute.local_tile(mDy[b, t, hv + j, None], (KP,), (lane,)).load().to(f32)
                     dot = f32(0.0)
                     for i in cutlass.range_constexpr(KP):
                         dot = dot + dy[i] * y[i]
@@ -87,9 +95,22 @@ def _reason(y, rstd, dy) -> str | None:
     r = _warp.rstd_reason("rstd", rstd, y)
     if r is not None:
         return r
-    if dy.shape != y.shape or dy.dtype not in (y.dtype, torch.float32):
-        return f"dy must be y's shape in y's dtype or float32; got {tuple(dy.shape)} {dy.dtype}"
+    G = _group(y, dy)
+    if G is None or dy.dtype not in ((y.dtype, torch.float32) if G == 1 else (torch.float32,)):
+        return (f"dy must be y's shape in y's dtype or float32, or [B, T, G*H, K] float32; got "
+                f"{tuple(dy.shape)} {dy.dtype}")
+    if G > MAX_GROUP:
+        return f"GVA group of {G} value heads (the kernel sums at most {MAX_GROUP})"
     return _warp.layout_reason(("y", "rstd", "dy"), (y, rstd, dy))
+
+
+def _group(y, dy) -> int | None:
+    """G: value heads per row head in dy (1 without GVA), None when dy's shape is not y's or its GVA
+    form."""
+    B, T, H, K = y.shape
+    if dy.dim() != 4 or (dy.shape[0], dy.shape[1], dy.shape[3]) != (B, T, K) or dy.shape[2] % H:
+        return None
+    return dy.shape[2] // H
 
 
 def is_supported(y, rstd, dy) -> str | None:
@@ -103,17 +124,19 @@ class L2BwdConfig:
     dy_dtype: str
     H: int
     K: int
+    G: int
     arch: str
 
 
 def _config(y, dy) -> L2BwdConfig:
-    return L2BwdConfig(DT[y.dtype], DT[dy.dtype], y.shape[2], y.shape[3], compile_arch())
+    return L2BwdConfig(DT[y.dtype], DT[dy.dtype], y.shape[2], y.shape[3], dy.shape[2] // y.shape[2],
+                       compile_arch())
 
 
 def _build(views, stream, cfg: L2BwdConfig, options: str = ""):
     import cutlass.cute as cute
 
-    kern = _kernel_class()(cutlass_dtype(cfg.io_dtype), cfg.H, cfg.K)
+    kern = _kernel_class()(cutlass_dtype(cfg.io_dtype), cfg.H, cfg.K, cfg.G)
     return cute.compile(kern, *views, stream, options=options)
 
 
@@ -126,7 +149,8 @@ def compile_for(y, rstd, dy, keep_ptx=False):
 
 
 def l2norm_bwd(y, rstd, dy):
-    """-> dx: fla's l2norm_bwd. Raises ValueError on a call the kernel cannot compute."""
+    """-> dx: fla's l2norm_bwd (of gva_sum(dy) for dy's GVA form). Raises ValueError on a call the
+    kernel cannot compute."""
     reason = _reason(y, rstd, dy)
     if reason is not None:
         raise ValueError(f"kda_cute.l2norm_bwd.l2norm_bwd: unsupported call: {reason}")

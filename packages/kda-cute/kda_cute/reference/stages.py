@@ -187,8 +187,10 @@ def l2norm_fwd(x: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.
 
 
 def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """dx = rstd * (dy - (dy . y) y), the L2-norm backward from its output y and rstd. Returns y.dtype."""
+    """dx = rstd * (dy - (dy . y) y), the L2-norm backward from its output y and rstd. Returns y.dtype.
+    dy [B, T, G H, K] (GVA: a gradient per value head) is first summed over each group (gva_sum)."""
     dt = compute_dtype(y, rstd, dy)
+    dy = gva_sum(dy, y.shape[2])
     yf, dyf, r = y.to(dt), dy.to(dt), rstd.to(dt).unsqueeze(-1)
     dx = dyf * r - (dyf * yf).sum(-1, keepdim=True) * yf * r
     return dx.to(y.dtype)
