@@ -3,7 +3,8 @@ before any GPU work, measured where no GPU is (issue #20's host-time target).
 
 Every stage takes its CuTe implementation exactly as on the H200 (the gates, the plans, each kernel
 module's `launch`: configs, fresh outputs, the call cache), except that the compiled kernel is not
-called (`CallCache.launch` does nothing) and the device checks answer as for an H200. Outputs stay
+called (each compiled kernel is a no-op on the TVM-FFI path) and the device checks answer as for an
+H200. Outputs stay
 uninitialized; nothing here checks numbers. What it leaves out against the device machine: the
 TVM-FFI call itself (~5-25 us per launch there: bench/check_tvm_ffi.py), the CUDA caching
 allocator (torch.empty: ~4.7 us there, bench/check_launch.py --profile), autograd's device thread.
@@ -19,32 +20,11 @@ import argparse
 import cProfile
 import os
 import pstats
-import sys
 import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import torch  # noqa: E402
-
-
-def stub_device(sm_count: int = 132) -> None:
-    """Every kda_cute / kda_chain module's device checks answer as for an sm_90 GPU with
-    `sm_count` SMs, and no kernel is called."""
-    import kda_chain  # noqa: F401  (imports every stage module through the registry)
-    from kda_cute import registry
-    from kda_cute._common import cache, support
-
-    for rec in registry.STAGES:
-        rec.load()
-    real = {"device_reason": support.device_reason, "sm_count_of": support.sm_count_of}
-    fake = {"device_reason": lambda t: None, "sm_count_of": lambda t: sm_count}
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not name.startswith(("kda_cute", "kda_chain")):
-            continue
-        for attr, fn in real.items():
-            if getattr(mod, attr, None) is fn:
-                setattr(mod, attr, fake[attr])
-    cache.CallCache.launch = lambda self, *a, **k: None
 
 
 def make_step(B, T, H, V, K=128):
@@ -79,8 +59,10 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--profile", action="store_true", help="cProfile the steps, by own time")
     a = ap.parse_args()
-    stub_device()
     from kda_chain import stages as S
+    from kda_chain.testing import stub_device
+
+    stub_device()
 
     step = make_step(a.B, a.T, a.H, a.V)
     S.reset_dispatch_log()

@@ -34,6 +34,7 @@ import kda_witness
 import torch
 from kda_cute import reference as ref
 from kda_cute import registry
+from kda_cute._common import cache as call_cache
 from kda_cute.registry import CuteStage, device_of, device_reason, log_once
 from kda_witness import stage_range
 from torch._C._autograd import _profiler_enabled
@@ -173,7 +174,10 @@ def cute_impl(rec: CuteStage) -> Impl:
         nonlocal mod
         if mod is None:
             mod = rec.load()
-        return mod.launch(*args, **kwargs)
+        plan = getattr(_tls, "plan", None)
+        if plan is None or (plan.replay is None and plan.record is None):  # no plan, or it diverged
+            return mod.launch(*args, **kwargs)
+        return plan.launch(rec.name, mod, args, kwargs)
 
     return Impl("cute", gate, fn)
 
@@ -203,22 +207,59 @@ def cute_planned(stage: str, *args, **kwargs) -> bool:
 # of one per stage (a dozen per step at 20-50 us each on the device machine's CPU). A replayed
 # decision is checked against the stage it is for and the stage's current implementations; on any
 # mismatch the call goes back to asking, and the stale plan is dropped (the next call records).
+#
+# A plan also holds each CuTe launch of the direction as a `Replay` (kda_cute._common.cache): the
+# first call records what the stage's `launch` did (fresh outputs, compiled calls, where each
+# tensor came from), later calls repeat it without the stage's planning, config and cache
+# look-up. A module whose launch ends in torch work splits it into `launch_raw` (recorded) and
+# `finish(raw, *args, **kwargs)` (run every call). A launch that cannot be replayed (a torch op
+# on its tensors, the DLPack path) is recorded as such, with its reason logged once, and runs its
+# `launch` on every call.
 
 PLAN_CACHE_SIZE = 256
-_plans: OrderedDict = OrderedDict()  # signature -> ((tag, state, decision), ...)
+_plans: OrderedDict = OrderedDict()  # signature -> (((tag, state, decision), ...), launches)
 _tls = threading.local()  # the plan of the chain direction running on this thread
 
 
 class _Plan:
     """`replay`: the recorded decisions (None when recording, or once a replay diverged);
-    `record`: the decisions being recorded (None when this call started from a recorded plan)."""
+    `record`: the decisions being recorded (None when this call started from a recorded plan);
+    `launches`: per CuTe launch in call order, (stage name, its Replay or None), recorded or
+    being recorded."""
 
-    __slots__ = ("replay", "record", "i")
+    __slots__ = ("replay", "record", "i", "launches", "j")
 
-    def __init__(self, replay):
-        self.replay = replay
-        self.record = [] if replay is None else None
-        self.i = 0
+    def __init__(self, seen):
+        self.replay, self.launches = (None, []) if seen is None else seen
+        self.record = [] if seen is None else None
+        self.i = self.j = 0
+
+    def launch(self, name: str, mod, args, kwargs):
+        """Stage `name`'s CuTe launch (module `mod`): replayed when this plan recorded one for it
+        here, recorded when this plan is recording."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        finish = getattr(mod, "finish", None)
+        if self.replay is not None:
+            j = self.j
+            if j < len(self.launches) and self.launches[j][0] == name:
+                self.j = j + 1
+                rp = self.launches[j][1]
+                if rp is None or rp.n_in != len(tensors):
+                    return mod.launch(*args, **kwargs)
+                out = rp(tensors)
+                return out if finish is None else finish(out, *args, **kwargs)
+            self.replay = None  # diverged: no decision or launch is replayed from here on
+            return mod.launch(*args, **kwargs)
+        raw = mod.launch_raw if finish is not None else mod.launch
+        versions = [t._version for t in tensors]
+        with call_cache.recording() as r:
+            out = raw(*args, **kwargs)
+        rp = call_cache.Replay.of(r, tensors, versions, out)
+        if isinstance(rp, str):
+            log_once(f"kda_chain: {name}'s launch is not replayed: {rp}", logger=log)
+            rp = None
+        self.launches.append((name, rp))
+        return out if finish is None else finish(out, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -237,7 +278,7 @@ def planned(*args, after=None):
         yield key
         with _lock:
             if plan.record is not None:
-                _plans[key] = tuple(plan.record)
+                _plans[key] = (tuple(plan.record), tuple(plan.launches))
                 while len(_plans) > PLAN_CACHE_SIZE:
                     _plans.popitem(last=False)
             elif plan.replay is None:  # started from `seen` and diverged: drop the stale plan

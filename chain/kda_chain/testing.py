@@ -1,10 +1,12 @@
-"""Realistic inputs of the CuTe scan stages on CUDA, for the GPU tests and the bench checks alike:
-kg, w, u, Aqk and qg come from fla's own intra (disable_recompute: the store of qg the chain asks
-for) on l2-normed q, k and negative per-step gates (CUDA and fla needed)."""
+"""Helpers shared by the tests and the bench checks: realistic inputs of the CuTe scan stages on
+CUDA (kg, w, u, Aqk and qg from fla's own intra (disable_recompute: the store of qg the chain asks
+for) on l2-normed q, k and negative per-step gates; CUDA and fla needed), and the chain's CuTe path
+on a CPU with its kernels stubbed (`stub_device`)."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -47,3 +49,36 @@ def fla_dhu(d: dict):
     _, dv = chunk_kda_bwd_dAv(q=d["q"], k=d["q"], v=d["u"], do=d["do"], A=d["Aqk"], scale=d["scale"])
     return chunk_gated_delta_rule_bwd_dhu(q=d["qg"], k=d["kg"], w=d["w"], do=d["do"], dv=dv, gk=d["gk"],
                                           h0=d["h0"], dht=d["dht"], scale=d["scale"])
+
+
+def stub_device(setattr=setattr, sm_count: int = 132) -> None:
+    """Every kda_cute / kda_chain module's device checks answer as for an sm_90 GPU with `sm_count`
+    SMs, and each compiled kernel is a no-op on the TVM-FFI launch path (the call cache's own work
+    runs): every stage takes its CuTe path, with its gates, plans, configs, fresh outputs and
+    recorded launches, and no kernel computes (outputs stay uninitialized). `setattr`: a test's
+    monkeypatch.setattr, to undo it."""
+    from kda_cute import registry
+    from kda_cute._common import cache, support
+
+    for rec in registry.STAGES:
+        rec.load()
+    fake = {support.device_reason: lambda t: None, support.sm_count_of: lambda t: sm_count}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(("kda_cute", "kda_chain")):
+            continue
+        for attr in ("device_reason", "sm_count_of"):
+            fn = getattr(mod, attr, None)
+            if fn in fake:
+                setattr(mod, attr, fake[fn])
+
+    def compile_noop(self, ckey, args, dyn_modes, build):
+        self.compiled[ckey] = _noop_kernel
+        self.path = "tvm-ffi"
+        return _noop_kernel
+
+    setattr(cache, "launch_path", lambda: "tvm-ffi")
+    setattr(cache.CallCache, "_compile_tvm_ffi", compile_noop)
+
+
+def _noop_kernel(*tensors) -> None:
+    pass

@@ -580,3 +580,52 @@ def test_plan_replays_every_decision_and_notices_a_changed_stage(monkeypatch):
     monkeypatch.setenv("KDA_FORCE_FLA", "dhu")
     forced, _ = step()
     assert any(st == "dhu" and "forced to fla" in reason for st, _, reason in forced)
+
+
+def test_a_recorded_plan_replays_every_cute_launch_with_fresh_outputs(monkeypatch):
+    """On the chain's CuTe path (kernels stubbed: kda_chain.testing.stub_device), the first call of
+    a signature records each CuTe launch; the next call replays all six without any module's
+    `launch` (bwd_chunk's torch `finish` still runs: dA_log comes out), every output and gradient
+    of the same shape, dtype and strides as the recorded call's, fresh (no storage shared)."""
+    pytest.importorskip("cutlass.cute")
+    from kda_chain.testing import stub_device
+
+    stub_device(monkeypatch.setattr)
+    S.clear_gate_cache()
+    gen = torch.Generator().manual_seed(0)
+
+    def r(*s, dt=torch.bfloat16):
+        return torch.randn(*s, generator=gen).to(dt).requires_grad_(True)
+
+    B, T, H, K, V = 1, 128, 16, 128, 128  # (16 heads: dhu's grid floor, 32 V tiles)
+    leaves = [r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H, K), r(B, T, H)]
+    A_log = r(H, dt=torch.float32)
+
+    def step():
+        for t in (*leaves, A_log):
+            t.grad = None
+        reset_dispatch_log()
+        o, ht = chunk_kda(*leaves, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                          output_final_state=True)
+        (o.float().sum() + ht.sum()).backward()
+        return [o, ht, *(t.grad for t in (*leaves, A_log))], [(c.stage, c.impl) for c in dispatch_log()]
+
+    launched = []
+    for rec in registry.STAGES:
+        mod = rec.load()
+        real = mod.launch
+        monkeypatch.setattr(mod, "launch", lambda *a, _n=rec.name, _f=real, **k: launched.append(_n) or
+                            _f(*a, **k))
+    first, ran = step()
+    assert {st for st, impl in ran if impl == "cute"} == {"fwd_prep", "fwd", "bwd_prep", "b1", "dhu",
+                                                          "bwd_chunk"}, ran
+    assert launched == ["fwd_prep", "fwd", "bwd_prep", "b1", "dhu"], "recorded (bwd_chunk: its launch_raw)"
+    launched.clear()
+    plans = [launches for _, launches in S._plans.values()]
+    assert [[n for n, _ in p] for p in plans] == [["fwd_prep", "fwd"], ["bwd_prep", "b1", "dhu", "bwd_chunk"]]
+    assert all(rp is not None for p in plans for _, rp in p), plans
+    again, ran2 = step()
+    assert ran2 == ran and launched == [], "the replayed call ran no module's launch"
+    for a, b in zip(first, again, strict=True):
+        assert a is not None and (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr(), "outputs are fresh"

@@ -2,6 +2,7 @@
 
 import ctypes
 import gc
+import re
 
 import pytest
 import torch
@@ -137,3 +138,89 @@ def test_one_compiled_kernel_per_device(cpu_stream, monkeypatch):
     for index in (0, 0, 1):
         cc.launch(("k",), (fake(index),), ((0,),), lambda v, s, o: lambda *a: launched.append(1))
     assert cc.compiles == 2 and {k[1] for k in cc.compiled} == {0, 1} and len(launched) == 3
+
+
+# --------------------------------------------------------------------------- recorded launches
+
+
+@pytest.fixture
+def tvm_ffi_path(monkeypatch):
+    """The TVM-FFI launch path on CPU: every compiled kernel a recorder of the tensors it gets."""
+    got = []
+
+    def kernel(*tensors):
+        got.append(tensors)
+
+    def compile_(self, ckey, args, dyn_modes, build):
+        self.compiled[ckey] = kernel
+        self.path = "tvm-ffi"
+        return kernel
+
+    monkeypatch.setattr(cache, "launch_path", lambda: "tvm-ffi")
+    monkeypatch.setattr(cache.CallCache, "_compile_tvm_ffi", compile_)
+    return got
+
+
+def _record(launch, *inputs):
+    versions = [t._version for t in inputs]
+    with cache.recording() as rec:
+        out = launch(*inputs)
+    return out, cache.Replay.of(rec, inputs, versions, out)
+
+
+def test_a_replay_repeats_the_launch_with_fresh_outputs_views_and_constants(tvm_ffi_path):
+    cc = cache.CallCache("replay")
+    placeholder = cache.constant(torch.zeros(2))
+
+    def launch(a, b):  # a view of an argument, a constant, two fresh outputs, one unused result slot
+        o1 = cache.alloc((a.shape[0], 3), torch.float32, a)
+        o2 = cache.alloc((5,), torch.int32, a)
+        cc.launch("k", (a[:, 1:].detach(), b, placeholder, o1, o2), ((),) * 5, None)
+        return o1, None, o2.view(5, 1)
+
+    a, b = torch.randn(4, 6)[1:], torch.randn(3)
+    out, rp = _record(launch, a, b)
+    assert isinstance(rp, cache.Replay), rp
+    a2, b2 = torch.randn(4, 6)[1:], torch.randn(3)
+    o1, none, o2 = rp([a2, b2])
+    assert none is None and o1.shape == (3, 3) and o1.dtype == torch.float32 and o2.shape == (5, 1)
+    assert o1.data_ptr() not in (out[0].data_ptr(), out[2].data_ptr()), "outputs are fresh per call"
+    view, bb, c, p1, p2 = tvm_ffi_path[-1]
+    assert view.data_ptr() == a2[:, 1:].data_ptr() and view.shape == a2[:, 1:].shape
+    assert view.stride() == a2.stride() and bb is b2 and c is placeholder
+    assert p1 is o1 and p2.data_ptr() == o2.data_ptr()
+
+
+def test_a_launch_a_replay_cannot_repeat_says_why(tvm_ffi_path, cpu_stream, monkeypatch):
+    cc = cache.CallCache("refused")
+    a = torch.randn(4, 3)
+
+    def call(*tensors, cc=cc):
+        cc.launch("k", tensors, ((),) * len(tensors), None)
+
+    def torch_op_result(x):  # a torch op's result handed to the kernel: a replay would reuse it
+        call(x * 2)
+        return x
+
+    def written(x):
+        x.add_(1)
+        call(x)
+        return x
+
+    def not_an_output(x):
+        y = torch.empty(3)
+        call(x)
+        return y
+
+    for fn, why in ((torch_op_result, "no argument's view"), (written, "written by a torch op"),
+                    (not_an_output, "result .* no argument's view")):
+        _, rp = _record(fn, a)
+        assert isinstance(rp, str) and re.search(why, rp), (fn.__name__, rp)
+
+    dl = cache.CallCache("dlpack", path="dlpack")  # descriptors retargeted per call: not replayable
+    dl.compiled[("k", None)] = lambda *views_and_stream: None
+    monkeypatch.setattr(cache, "cute_view", lambda t, d: object())
+    monkeypatch.setattr(cache, "release_keepalives", lambda *cts: None)
+    monkeypatch.setattr(cache, "pointer_cell", lambda ct: ctypes.c_uint64())
+    _, rp = _record(lambda x: (dl.launch("k", (x,), ((),), None), x)[1], a)
+    assert rp == "the DLPack launch path"

@@ -68,6 +68,8 @@ followed by the gate's backward in fp32). The gate build is not timed on the H20
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from . import _warp
@@ -228,9 +230,30 @@ def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False,
            g=None, A_log=None, dt_bias=None, lower_bound=None):
     """`bwd_chunk` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
+    raw = launch_raw(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd, g, A_log,
+                     dt_bias, lower_bound)
+    return finish(raw, A_log=A_log, dt_bias=dt_bias)
+
+
+def launch_raw(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
+               k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None):
+    """The kernel part of `launch` (what a recorded chain plan replays): (dq, dk, dv2, db, dg, the
+    dA_log partials or None, the ddt_bias partials or None)."""
     cfg, outs, parts, args = _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd,
                                       k_rstd, g, A_log, dt_bias, lower_bound)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _wy._build(views, stream, cfg, opts))
-    if parts is None:
+    return (*outs, *(parts or (None, None)))
+
+
+def finish(raw, *args, **kwargs):
+    """`launch`'s result from `launch_raw`'s: the gate's partials summed (torch) into dA_log,
+    ddt_bias. Takes `launch`'s arguments (only A_log and dt_bias are read)."""
+    *outs, dA, dbias = raw
+    if dA is None:
         return (*outs, None, None)
-    return (*outs, *_reduce(*parts, A_log, dt_bias))
+    A_log, dt_bias = (kwargs[n] if n in kwargs else (args[i] if i < len(args) else None)
+                      for n, i in _GATE_PARAMS)
+    return (*outs, *_reduce(dA, dbias, A_log, dt_bias))
+
+
+_GATE_PARAMS = tuple((n, list(inspect.signature(launch).parameters).index(n)) for n in ("A_log", "dt_bias"))

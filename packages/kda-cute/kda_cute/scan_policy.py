@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common.cache import interned
+from ._common.cache import constant, interned
 from ._common.lazy import cutlass_dtype
 from ._common.support import compile_arch, sm_count_of
 
@@ -184,7 +184,7 @@ def dummy(dev) -> torch.Tensor:
     """A tiny fp32 [1, 1, 128, 64] placeholder for an absent h0 / ht / dht / dh0 (never touched)."""
     d = _dummies.get(dev)
     if d is None:
-        d = _dummies[dev] = torch.zeros((1, 1, KD, BV), dtype=torch.float32, device=dev)
+        d = _dummies[dev] = constant(torch.zeros((1, 1, KD, BV), dtype=torch.float32, device=dev))
     return d
 
 
@@ -195,5 +195,5 @@ def chunk_args(chunks, dev) -> tuple:
         return chunks, (0,)
     d = _dummies.get((dev, "chunks"))
     if d is None:
-        d = _dummies[(dev, "chunks")] = torch.zeros(2, dtype=torch.int32, device=dev)
+        d = _dummies[(dev, "chunks")] = constant(torch.zeros(2, dtype=torch.int32, device=dev))
     return d, ()

@@ -28,12 +28,19 @@ caller drops it.
 Outputs are never cached: a stage allocates them fresh for every call (`alloc`), because a
 cache-owned output aliases across calls, which a benchmark that calls once per step cannot see.
 
+A launch can also be recorded (`recording`) and replayed (`Replay`): what a stage's `launch` did
+(its fresh outputs' shapes and dtypes, its compiled calls and where each of their tensors came
+from: an argument, a view of one, a fresh output, a process-lifetime `constant`), repeated on a
+later call with the same signature without the stage's planning, config or cache look-up. The
+chain replays them inside its recorded plans (kda_chain.stages.planned).
+
 This module is op-free: it knows nothing of KDA. Each stage module builds its key and its
 compile function and hands them to `CallCache.launch`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -145,7 +152,170 @@ def alloc(shape: Sequence[int], dtype: torch.dtype, like: torch.Tensor) -> torch
     """A fresh output for this call (never cached), on `like`'s device: `new_empty` costs ~2.6 us
     of host time on the H200 machine against ~4.0-4.7 for torch.empty with a device argument
     (bench/check_launch.py --profile, 2026-12-02), and a step allocates ~27 outputs."""
-    return like.new_empty(shape, dtype=dtype)
+    t = like.new_empty(shape, dtype=dtype)
+    rec = getattr(_recording, "rec", None)
+    if rec is not None:
+        rec.allocs.append(t)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# recorded launches
+
+_recording = threading.local()  # the Recording of the launch running on this thread, if any
+_constants: dict[int, torch.Tensor] = {}  # id -> a tensor that lives as long as the process
+
+
+def constant(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t` as living for the process (a module's cached placeholder): a replay may pass the
+    same tensor again. Returns `t`."""
+    _constants[id(t)] = t
+    return t
+
+
+class Recording:
+    """What one launch did: its fresh outputs (`alloc`), its compiled calls (fn, tensors), and
+    `why_not`: the first thing it did that a replay could not repeat (None if nothing)."""
+
+    __slots__ = ("allocs", "calls", "why_not")
+
+    def __init__(self):
+        self.allocs: list[torch.Tensor] = []
+        self.calls: list[tuple[Callable, tuple]] = []
+        self.why_not: str | None = None
+
+    def refuse(self, why: str) -> None:
+        if self.why_not is None:
+            self.why_not = why
+
+
+def _recorder() -> Recording | None:
+    return getattr(_recording, "rec", None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the launches made inside the block on this thread (nested blocks: the inner one)."""
+    rec = Recording()
+    outer = _recorder()
+    _recording.rec = rec
+    try:
+        yield rec
+    finally:
+        _recording.rec = outer
+
+
+class Replay:
+    """A recorded launch, repeatable on another call whose tensor arguments have the recorded
+    call's signature (shapes, strides, dtypes, device, alignment): fresh outputs of the recorded
+    shapes and dtypes, then the same compiled calls, each tensor taken from where the recorded one
+    came from. `Replay.of` builds one, or says why it cannot."""
+
+    __slots__ = ("n_in", "allocs", "consts", "views", "calls", "outs")
+
+    def __init__(self, n_in, allocs, consts, views, calls, outs):
+        self.n_in = n_in  # tensor arguments, in call order
+        self.allocs = allocs  # ((shape, dtype), ...): pool slots n_in ..
+        self.consts = consts  # process-lifetime tensors: the slots after the allocations
+        self.views = views  # ((base slot, shape, stride, offset from the base's), ...): the last slots
+        self.calls = calls  # ((compiled fn, (slot, ...)), ...)
+        self.outs = outs  # the launch's result: a slot, or a tuple of slots / None
+
+    def __call__(self, inputs: Sequence[torch.Tensor]):
+        pool = list(inputs)
+        like = inputs[0]
+        for shape, dtype in self.allocs:
+            pool.append(like.new_empty(shape, dtype=dtype))
+        pool.extend(self.consts)
+        for i, shape, stride, rel in self.views:
+            base = pool[i]
+            pool.append(base.as_strided(shape, stride, base.storage_offset() + rel))
+        for fn, slots in self.calls:
+            fn(*[pool[j] for j in slots])
+        outs = self.outs
+        if type(outs) is int:
+            return pool[outs]
+        return tuple(None if j is None else pool[j] for j in outs)
+
+    @classmethod
+    def of(cls, rec: Recording, inputs: Sequence[torch.Tensor], versions: Sequence[int], result):
+        """The Replay of what `rec` saw a launch do with tensor arguments `inputs` (their
+        `_version`s before it: `versions`) returning `result`; or a string saying why it has none:
+        a launch path or device switch a replay skips, a torch op on an argument or an output (a
+        version bump), a tensor neither an argument, a view of one, a fresh output nor a constant
+        (a torch op's result: a replay would pass a stale one), a result of another form."""
+        if rec.why_not is not None:
+            return rec.why_not
+        if not inputs or not rec.calls:
+            return "no tensor argument or no compiled call"
+        if any(t._version != v for t, v in zip(inputs, versions, strict=True)):
+            return "an argument was written by a torch op"
+        if any(t._version for t in rec.allocs):
+            return "an output was written by a torch op"
+        slot = {}
+        for i, t in enumerate((*inputs, *rec.allocs)):
+            slot.setdefault(id(t), i)
+        n = len(inputs) + len(rec.allocs)
+        consts, views = [], []
+        pool = [*inputs, *rec.allocs]
+
+        def find(t):
+            j = slot.get(id(t))
+            if j is None and id(t) in _constants:
+                j = slot[id(t)] = n + len(consts)
+                consts.append(t)
+            return j
+
+        def view_of(t):  # the slot of a view of a pooled tensor (its storage, its dtype), or None
+            ptr = t.untyped_storage().data_ptr()
+            for i, b in enumerate(pool):
+                if b.dtype == t.dtype and b.untyped_storage().data_ptr() == ptr:
+                    rel = t.storage_offset() - b.storage_offset()
+                    views.append((i, tuple(t.shape), tuple(t.stride()), rel))
+                    return -len(views)  # placed after the constants, numbered below
+            return None
+
+        def index(t):
+            j = find(t)
+            if j is None:
+                j = view_of(t)
+            return j
+
+        calls = []
+        for fn, args in rec.calls:
+            slots = []
+            for t in args:
+                j = index(t)
+                if j is None:
+                    return (f"a kernel argument {tuple(t.shape)} {t.dtype} is no argument's view nor a "
+                            "fresh output")
+                slots.append(j)
+            calls.append((fn, slots))
+        if isinstance(result, torch.Tensor):
+            outs = index(result)
+            if outs is None:
+                return "the result is no argument's view nor a fresh output"
+        elif isinstance(result, tuple):
+            outs = []
+            for t in result:
+                if t is not None and not isinstance(t, torch.Tensor):
+                    return f"the result holds a {type(t).__name__}"
+                j = None if t is None else index(t)
+                if t is not None and j is None:
+                    return f"a result {tuple(t.shape)} {t.dtype} is no argument's view nor a fresh output"
+                outs.append(j)
+        else:
+            return f"the result is a {type(result).__name__}"
+        # a view's slot: after the constants (known only now), in the order they were found
+        base = n + len(consts) - 1
+
+        def fix(j):
+            return base - j if j is not None and j < 0 else j
+
+        calls = tuple((fn, tuple(fix(j) for j in slots)) for fn, slots in calls)
+        outs = fix(outs) if type(outs) is int else tuple(fix(j) for j in outs)
+        return cls(len(inputs), tuple((tuple(t.shape), t.dtype) for t in rec.allocs), tuple(consts),
+                   tuple(views), calls, outs)
 
 
 @dataclass
@@ -175,6 +345,9 @@ class CallCache:
         if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
             # a compiled kernel is loaded into, and launched from, the current device's context:
             # make that the tensors' device (torch's own ops do the same per call)
+            rec = _recorder()
+            if rec is not None:
+                rec.refuse("a launch on another device than the current one")
             with torch.cuda.device(dev):
                 return self._launch(compile_key, args, dyn_modes, build)
         return self._launch(compile_key, args, dyn_modes, build)
@@ -217,7 +390,13 @@ class CallCache:
                 fn = self._compile_tvm_ffi(ckey, args, dyn_modes, build)
             if fn is not None:
                 fn(*args)  # the stream: torch's current stream, read by TVM-FFI at the call
+                rec = _recorder()
+                if rec is not None:
+                    rec.calls.append((fn, tuple(args)))
                 return
+        rec = _recorder()
+        if rec is not None:  # (descriptors are retargeted per call: a replay would skip that)
+            rec.refuse("the DLPack launch path")
         handle, stream = current_stream(dev)
         view_key = (ckey, handle, tuple(tensor_sig(t) for t in args))
         entry = self.entries.get(view_key)
