@@ -250,6 +250,9 @@ class _Plan:
                 return out if finish is None else finish(out, *args, **kwargs)
             self.replay = None  # diverged: no decision or launch is replayed from here on
             return mod.launch(*args, **kwargs)
+        if torch.is_inference_mode_enabled() or any(t.is_inference() for t in tensors):
+            self.launches.append((name, None))  # (inference tensors have no version counter)
+            return mod.launch(*args, **kwargs)
         raw = mod.launch_raw if finish is not None else mod.launch
         versions = [t._version for t in tensors]
         with call_cache.recording() as r:

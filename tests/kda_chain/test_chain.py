@@ -629,3 +629,8 @@ def test_a_recorded_plan_replays_every_cute_launch_with_fresh_outputs(monkeypatc
     for a, b in zip(first, again, strict=True):
         assert a is not None and (a.shape, a.dtype, a.stride()) == (b.shape, b.dtype, b.stride())
         assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr(), "outputs are fresh"
+    with torch.inference_mode():  # inference tensors (no version counters): recorded as not replayable
+        x = [t.detach().clone() for t in leaves]
+        o, _ = chunk_kda(*x, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.detach())
+        o2, _ = chunk_kda(*x, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.detach())
+    assert o2.shape == o.shape and launched == ["fwd_prep", "fwd"] * 2
