@@ -226,9 +226,11 @@ def host_parts(n=2000):
 def kernel_call_costs(step, n=100):
     """Host us of each compiled CuTe call alone, on the arguments a chain step gave it (the
     TVM-FFI call with its tensors: what no Python of ours can remove), against the stage's whole
-    launch (the module's `launch`: configs, outputs, the call cache, the call)."""
+    launch (a recorded plan's replay of the module's `launch`: fresh outputs and the call)."""
+    from kda_chain import stages as S
     from kda_cute._common.cache import CallCache
 
+    S.clear_gate_cache()  # this step records its plans: its launches go through the call caches
     seen = []
     orig = CallCache.launch
 
