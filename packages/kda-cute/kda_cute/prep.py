@@ -227,7 +227,7 @@ def _build_kernel_class():
                           preferred_smem_carveout=100, stream=stream)
 
         @cute.jit
-        def _tf32_block(self, sQ, sK, sG, sBeta, sAqk, sL, p, lane, diag: cutlass.Constexpr):
+        def _tf32_block(self, sQ2, sK2, sG2, sBeta, sAqk, sL, p, lane, diag: cutlass.Constexpr):
             """One 16 x 16 block of Aqk and L on one warp, tf32 mma m16n8k8 over K, each operand
             row anchored at a row between its pair so both exponents are <= 0.
 
@@ -265,17 +265,37 @@ def _build_kernel_class():
             acck = cute.make_rmem_tensor(cC.shape, f32)
             accq.fill(0.0)
             acck.fill(0.0)
+            # The K columns of each 8-wide step are permuted alike in A and B (the sum over K does
+            # not change): the mma's logical columns t and t + 4 (a thread's two values of a row,
+            # t = lane % 4) read the adjacent physical columns 2t, 2t + 1, so each (row, operand)
+            # pair is one 4- / 8-byte LDS instead of two scalar ones (the phase was MIO-bound:
+            # three scalar LDS per tf32 element). A's values are the mma's a0-a3: (g, t), (g + 8, t),
+            # (g, t + 4), (g + 8, t + 4), so value ei takes half ei // 2 of its pair; B's b0, b1:
+            # (t, g), (t + 4, g) for each of the two 8-column mmas, half ei % 2. The two loads of
+            # one pair are the same address (CSE'd).
             for k0 in cutlass.range(0, K, 8, unroll=2):
+                c2 = k0 // 2
                 for ei in cutlass.range_constexpr(cute.size(cA)):
                     _, ka = cA[ei]
+                    hf = ei // 2
+                    kp = c2 + ka % 4
                     ra = rowA[ei]
-                    e = _exp2(sG[ra, k0 + ka] - sG[ancA[ei], k0 + ka])
-                    fAqi[ei] = _tf32(f32(sQ[ra, k0 + ka]) * e)
-                    fAki[ei] = _tf32(f32(sK[ra, k0 + ka]) * e)
+                    gv = sG2[ra, kp, None].load()
+                    ga = sG2[ancA[ei], kp, None].load()
+                    qv = sQ2[ra, kp, None].load()
+                    kv = sK2[ra, kp, None].load()
+                    e = _exp2(gv[hf] - ga[hf])
+                    fAqi[ei] = _tf32(f32(qv[hf]) * e)
+                    fAki[ei] = _tf32(f32(kv[hf]) * e)
                 for ei in cutlass.range_constexpr(cute.size(cB)):
                     _, kb = cB[ei]
+                    kp = c2 + kb % 4
                     rb = rowB[ei]
-                    fBi[ei] = _tf32(f32(sK[rb, k0 + kb]) * _exp2(sG[ancB[ei], k0 + kb] - sG[rb, k0 + kb]))
+                    gv = sG2[rb, kp, None].load()
+                    ga = sG2[ancB[ei], kp, None].load()
+                    kv = sK2[rb, kp, None].load()
+                    hf = ei % 2
+                    fBi[ei] = _tf32(f32(kv[hf]) * _exp2(ga[hf] - gv[hf]))
                 cute.gemm(tmma, accq, fAq, fB, accq)
                 cute.gemm(tmma, acck, fAk, fB, acck)
             for ei in cutlass.range_constexpr(cute.size(cC)):
@@ -544,6 +564,9 @@ def _build_kernel_class():
             sQ4 = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // 4, 4), stride=(QS, 4, 1)))
             sK4 = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // 4, 4), stride=(QS, 4, 1)))
             sG4 = cute.make_tensor(sG.iterator, cute.make_layout((BT, K // 4, 4), stride=(GS, 4, 1)))
+            sQ2 = cute.make_tensor(sQ.iterator, cute.make_layout((BT, K // 2, 2), stride=(QS, 2, 1)))
+            sK2 = cute.make_tensor(sK.iterator, cute.make_layout((BT, K // 2, 2), stride=(QS, 2, 1)))
+            sG2 = cute.make_tensor(sG.iterator, cute.make_layout((BT, K // 2, 2), stride=(GS, 2, 1)))
             sX4 = cute.make_tensor(sX.iterator, cute.make_layout((BT, BT // 4, 4), stride=(XS, 4, 1)))
             sAqk8 = cute.make_tensor(sAqk.iterator, cute.make_layout((BT, BT // 8, 8), stride=(AS, 8, 1)))
 
@@ -613,12 +636,12 @@ def _build_kernel_class():
                 # below the diagonal each, then (warps 0-4) the 160 pairs of the 4 x 4 diagonal blocks;
                 # warps 6-7: the anchored quadrants of two diagonal blocks each.
                 if wid < 6:
-                    self._tf32_block(sQ, sK, sG, sBeta, sAqk, sL, wid, lane, False)
+                    self._tf32_block(sQ2, sK2, sG2, sBeta, sAqk, sL, wid, lane, False)
                     if tidx < 160:
                         self._diag_exact(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx)
                 else:
                     for jd in cutlass.range_constexpr(2):
-                        self._tf32_block(sQ, sK, sG, sBeta, sAqk, sL, 2 * (wid - 6) + jd, lane, True)
+                        self._tf32_block(sQ2, sK2, sG2, sBeta, sAqk, sL, 2 * (wid - 6) + jd, lane, True)
                 cute.arch.sync_threads()
                 cA64 = t8.partition_D(cute.make_identity_tensor((BT, BT)))
                 tAqk = t8.partition_D(gAqk)
