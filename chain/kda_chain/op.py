@@ -187,14 +187,17 @@ _FLAG_NAMES = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_ga
                "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "disable_recompute")
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output, returned=True):
+    """`returned`: the intermediates in `output` are the forward's outputs (the custom op's), else
+    only o and ht are (`_Eager`: the rest is saved as intermediates)."""
     q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, *flags = inputs
     f = dict(zip(_FLAG_NAMES, flags, strict=True))
     _, _, qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk, *kept = output
     # the saved intermediates are outputs only to reach the backward: no gradient flows to them,
     # and none is materialized (zeros of every one of them: 0.49 ms and GBs at the reference shape)
-    ctx.mark_non_differentiable(*(t for t in (qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk, *kept)
-                                  if t is not None))
+    if returned:
+        ctx.mark_non_differentiable(*(t for t in (qn, q_rstd, kn, k_rstd, gk, beta_act, Aqk, Akk, *kept)
+                                      if t is not None))
     ctx.set_materialize_grads(False)
     l2, sig, keep = f["use_qk_l2norm_in_kernel"], f["use_beta_sigmoid_in_kernel"], f["disable_recompute"]
     ctx.save_for_backward(qn if l2 else q, q_rstd if l2 else None, kn if l2 else k, k_rstd if l2 else None, v,
@@ -234,16 +237,17 @@ class _Eager(torch.autograd.Function):
     (schema defaults, pytree flattening, the alias check): what an eager call pays per step. With
     it the host time outside the stages of one fwd+bwd went 1.77 -> 1.06 ms on the device machine
     (bench/check_launch.py --profile, B2 T4096, 2026-12-02), at a shape where the step is
-    host-bound. Results are the bodies' own, so both paths are bitwise equal
-    (tests/kda_chain/test_op.py)."""
+    host-bound. Its outputs are o and ht only: the intermediates the backward needs are saved as
+    such (autograd's per-output bookkeeping for up to 14 more tensors is skipped). Results are the
+    bodies' own, so both paths are bitwise equal (tests/kda_chain/test_op.py)."""
 
     @staticmethod
     def forward(ctx, *inputs):
         plans = []
         out = _fwd_body(*inputs, absent=_none, plans=plans)
-        _setup_context(ctx, inputs, out)
+        _setup_context(ctx, inputs, out, returned=False)
         ctx.plan = plans[0]
-        return tuple(out)
+        return out[0], out[1]
 
     @staticmethod
     def backward(ctx, *grads):
