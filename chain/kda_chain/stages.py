@@ -224,8 +224,8 @@ _tls = threading.local()  # the plan of the chain direction running on this thre
 class _Plan:
     """`replay`: the recorded decisions (None when recording, or once a replay diverged);
     `record`: the decisions being recorded (None when this call started from a recorded plan);
-    `launches`: per CuTe launch in call order, (stage name, its Replay or None), recorded or
-    being recorded."""
+    `launches`: per CuTe launch in call order, (stage name, its arguments' `_form`, its Replay or
+    None), recorded or being recorded."""
 
     __slots__ = ("replay", "record", "i", "launches", "j")
 
@@ -238,20 +238,23 @@ class _Plan:
         """Stage `name`'s CuTe launch (module `mod`): replayed when this plan recorded one for it
         here, recorded when this plan is recording."""
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        form = _form(args, kwargs)
         finish = getattr(mod, "finish", None)
         if self.replay is not None:
             j = self.j
-            if j < len(self.launches) and self.launches[j][0] == name:
+            if j < len(self.launches) and self.launches[j][:2] == (name, form):
                 self.j = j + 1
-                rp = self.launches[j][1]
-                if rp is None or rp.n_in != len(tensors):
-                    return mod.launch(*args, **kwargs)
+                rp = self.launches[j][2]
+                t0 = tensors[0]
+                if (rp is None or rp.epoch != call_cache.epoch()
+                        or (t0.is_cuda and t0.get_device() != torch.cuda.current_device())):
+                    return mod.launch(*args, **kwargs)  # (the call cache's launch guards the device)
                 out = rp(tensors)
                 return out if finish is None else finish(out, *args, **kwargs)
             self.replay = None  # diverged: no decision or launch is replayed from here on
             return mod.launch(*args, **kwargs)
         if torch.is_inference_mode_enabled() or any(t.is_inference() for t in tensors):
-            self.launches.append((name, None))  # (inference tensors have no version counter)
+            self.launches.append((name, form, None))  # (inference tensors have no version counter)
             return mod.launch(*args, **kwargs)
         raw = mod.launch_raw if finish is not None else mod.launch
         versions = [t._version for t in tensors]
@@ -261,8 +264,15 @@ class _Plan:
         if isinstance(rp, str):
             log_once(f"kda_chain: {name}'s launch is not replayed: {rp}", logger=log)
             rp = None
-        self.launches.append((name, rp))
+        self.launches.append((name, form, rp))
         return out if finish is None else finish(out, *args, **kwargs)
+
+
+def _form(args, kwargs) -> tuple:
+    """A launch's arguments with every tensor replaced by the type torch.Tensor: where tensors and
+    None's fall, and every other argument's value (what a replay must match beyond the plan's key)."""
+    return (tuple(torch.Tensor if isinstance(a, torch.Tensor) else a for a in args),
+            tuple((k, torch.Tensor if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()))
 
 
 @contextlib.contextmanager
@@ -273,7 +283,11 @@ def planned(*args, after=None):
     saved tensors are the forward's inputs, already in that key, and its own fresh contiguous
     outputs; `args` are then only what is new: do, dht), so only the new part is computed."""
     key = _signature(args, {}) if after is None else (after, _signature(args, {}))
-    seen = _plans.get(key)
+    key = (key, torch.is_inference_mode_enabled())  # (inference mode records no launch: its own plan)
+    with _lock:
+        seen = _plans.get(key)
+        if seen is not None:
+            _plans.move_to_end(key)  # least recently used first out
     plan = _Plan(seen)
     outer = getattr(_tls, "plan", None)
     _tls.plan = plan

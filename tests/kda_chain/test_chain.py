@@ -622,8 +622,9 @@ def test_a_recorded_plan_replays_every_cute_launch_with_fresh_outputs(monkeypatc
     assert launched == ["fwd_prep", "fwd", "bwd_prep", "b1", "dhu"], "recorded (bwd_chunk: its launch_raw)"
     launched.clear()
     plans = [launches for _, launches in S._plans.values()]
-    assert [[n for n, _ in p] for p in plans] == [["fwd_prep", "fwd"], ["bwd_prep", "b1", "dhu", "bwd_chunk"]]
-    assert all(rp is not None for p in plans for _, rp in p), plans
+    assert [[n for n, _, _ in p] for p in plans] == [["fwd_prep", "fwd"],
+                                                     ["bwd_prep", "b1", "dhu", "bwd_chunk"]]
+    assert all(rp is not None for p in plans for _, _, rp in p), plans
     again, ran2 = step()
     assert ran2 == ran and launched == [], "the replayed call ran no module's launch"
     for a, b in zip(first, again, strict=True):
@@ -634,3 +635,65 @@ def test_a_recorded_plan_replays_every_cute_launch_with_fresh_outputs(monkeypatc
         o, _ = chunk_kda(*x, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.detach())
         o2, _ = chunk_kda(*x, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.detach())
     assert o2.shape == o.shape and launched == ["fwd_prep", "fwd"] * 2
+
+
+def test_a_replayed_launch_passes_each_kernel_what_the_module_would(monkeypatch):
+    """Every compiled call of a replayed chain call gets, argument by argument, the tensor the
+    module's own launch gives it on the same inputs (the same user tensor or view of it, at the
+    same pointer, shape and strides; a fresh output of the same form), with A_log and dt_bias as
+    slices of one parameter buffer; a call with q is k is never replayed for a later q, k pair."""
+    pytest.importorskip("cutlass.cute")
+    from kda_chain.testing import stub_device
+    from kda_cute._common import cache as call_cache
+
+    stub_device(monkeypatch.setattr)
+    got = []
+    monkeypatch.setattr(call_cache.CallCache, "_compile_tvm_ffi",
+                        lambda self, ckey, args, dyn, build: self.compiled.setdefault(ckey, _kernel_spy(got)))
+    for rec in registry.STAGES:  # (stand-in kernels of earlier tests: compile the spy instead)
+        rec.load()._cache.clear()
+    gen = torch.Generator().manual_seed(1)
+    B, T, H, K, V = 1, 128, 16, 128, 128
+
+    def r(*s, dt=torch.bfloat16):
+        return torch.randn(*s, generator=gen).to(dt).requires_grad_(True)
+
+    q, k, v, g, beta = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H, K), r(B, T, H)
+    params = torch.randn(H + H * K + 4, generator=gen)  # one flat buffer (FSDP-like)
+    flat = params[4:4 + H], params[4 + H:]
+    apart = tuple(t.clone() for t in flat)  # the same signature, two storages
+
+    def step(kk=k, gate=flat):
+        got.clear()
+        o, _ = chunk_kda(q, kk, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                         A_log=gate[0], dt_bias=gate[1])
+        o.float().sum().backward()
+        user = [q, k, v, g, beta, *gate]
+        return [[_provenance(t, user) for t in call] for call in got]
+
+    S.clear_gate_cache()
+    recorded = step()  # records: the modules' own launches
+    replayed = step()
+    assert len(recorded) == 6 and replayed == recorded
+    replayed = step(gate=apart)  # replays the plan recorded on the flat buffer
+    S.clear_gate_cache()
+    assert replayed == step(gate=apart), "dt_bias's view must come from dt_bias, not A_log's storage"
+    S.clear_gate_cache()
+    step(q)  # q is k: this plan's fwd_prep launch is not replayable ...
+    assert step() == recorded  # ... so a later call of that key with a distinct k gets k, not q
+
+
+def _kernel_spy(got):
+    def kernel(*tensors):
+        got.append(tensors)
+
+    return kernel
+
+
+def _provenance(t, user):
+    """Where a kernel argument comes from: (user tensor index, offset, shape, stride) for a user
+    tensor's storage, else ("fresh", shape, stride, dtype)."""
+    for i, u in enumerate(user):
+        if t.untyped_storage().data_ptr() == u.untyped_storage().data_ptr():
+            return (i, t.storage_offset() - u.storage_offset(), tuple(t.shape), t.stride())
+    return ("fresh", tuple(t.shape), t.stride(), t.dtype)

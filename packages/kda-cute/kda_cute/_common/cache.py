@@ -205,15 +205,31 @@ def recording():
         _recording.rec = outer
 
 
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) storage element a (non-negatively strided) tensor covers."""
+    lo = t.storage_offset()
+    if t.numel() == 0:
+        return lo, lo
+    return lo, lo + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+
+
+_epoch = [0]  # bumped by every CallCache.clear(): a Replay of an older epoch is not used
+
+
+def epoch() -> int:
+    return _epoch[0]
+
+
 class Replay:
     """A recorded launch, repeatable on another call whose tensor arguments have the recorded
     call's signature (shapes, strides, dtypes, device, alignment): fresh outputs of the recorded
     shapes and dtypes, then the same compiled calls, each tensor taken from where the recorded one
     came from. `Replay.of` builds one, or says why it cannot."""
 
-    __slots__ = ("n_in", "allocs", "consts", "views", "calls", "outs")
+    __slots__ = ("n_in", "allocs", "consts", "views", "calls", "outs", "epoch")
 
     def __init__(self, n_in, allocs, consts, views, calls, outs):
+        self.epoch = _epoch[0]  # the call caches' epoch it was recorded in (`epoch()`)
         self.n_in = n_in  # tensor arguments, in call order
         self.allocs = allocs  # ((shape, dtype), ...): pool slots n_in ..
         self.consts = consts  # process-lifetime tensors: the slots after the allocations
@@ -252,9 +268,9 @@ class Replay:
             return "an argument was written by a torch op"
         if any(t._version for t in rec.allocs):
             return "an output was written by a torch op"
-        slot = {}
-        for i, t in enumerate((*inputs, *rec.allocs)):
-            slot.setdefault(id(t), i)
+        if len({id(t) for t in inputs}) < len(inputs):  # (the signature cannot tell q is k from two)
+            return "two arguments are one tensor"
+        slot = {id(t): i for i, t in enumerate((*inputs, *rec.allocs))}
         n = len(inputs) + len(rec.allocs)
         consts, views = [], []
         pool = [*inputs, *rec.allocs]
@@ -266,14 +282,26 @@ class Replay:
                 consts.append(t)
             return j
 
-        def view_of(t):  # the slot of a view of a pooled tensor (its storage, its dtype), or None
+        def view_of(t):
+            """The slot of a view of exactly one pooled tensor (same storage and dtype, its elements
+            inside that tensor's own: then the signature keeps it valid on a later call), or None
+            (none, or several: e.g. A_log and dt_bias slices of one parameter buffer)."""
             ptr = t.untyped_storage().data_ptr()
-            for i, b in enumerate(pool):
-                if b.dtype == t.dtype and b.untyped_storage().data_ptr() == ptr:
-                    rel = t.storage_offset() - b.storage_offset()
-                    views.append((i, tuple(t.shape), tuple(t.stride()), rel))
-                    return -len(views)  # placed after the constants, numbered below
-            return None
+            lo, hi = _extent(t)
+
+            def holds(b):
+                if b.dtype != t.dtype or b.untyped_storage().data_ptr() != ptr:
+                    return False
+                b_lo, b_hi = _extent(b)
+                return b_lo <= lo and hi <= b_hi
+
+            bases = [i for i, b in enumerate(pool) if holds(b)]
+            if len(bases) != 1:
+                return None
+            i = bases[0]
+            rel = t.storage_offset() - pool[i].storage_offset()
+            views.append((i, tuple(t.shape), tuple(t.stride()), rel))
+            return -len(views)  # placed after the constants, numbered below
 
         def index(t):
             j = find(t)
@@ -424,3 +452,4 @@ class CallCache:
         with self.lock:
             self.compiled.clear()
             self.entries.clear()
+            _epoch[0] += 1  # recorded launches hold the compiled functions: retire them too
