@@ -32,7 +32,10 @@ A launch can also be recorded (`recording`) and replayed (`Replay`): what a stag
 (its fresh outputs' shapes and dtypes, its compiled calls and where each of their tensors came
 from: an argument, a view of one, a fresh output, a process-lifetime `constant`), repeated on a
 later call with the same signature without the stage's planning, config or cache look-up. The
-chain replays them inside its recorded plans (kda_chain.stages.planned).
+chain replays them inside its recorded plans (kda_chain.stages.planned). What the signature cannot
+vouch for is refused at record time: one tensor passed as two arguments, a view no single argument
+holds, a torch op's result or in-place write (version counters), the DLPack path, another device;
+`CallCache.clear()` retires every recorded launch (`epoch`).
 
 This module is op-free: it knows nothing of KDA. Each stage module builds its key and its
 compile function and hands them to `CallCache.launch`.
