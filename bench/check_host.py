@@ -2,12 +2,12 @@
 before any GPU work, measured where no GPU is (issue #20's host-time target).
 
 Every stage takes its CuTe implementation exactly as on the H200 (the gates, the plans, each kernel
-module's `launch`: configs, fresh outputs, the call cache), except that the compiled kernel is not
-called (each compiled kernel is a no-op on the TVM-FFI path) and the device checks answer as for an
-H200. Outputs stay
-uninitialized; nothing here checks numbers. What it leaves out against the device machine: the
-TVM-FFI call itself (~5-25 us per launch there: bench/check_tvm_ffi.py), the CUDA caching
-allocator (torch.empty: ~4.7 us there, bench/check_launch.py --profile), autograd's device thread.
+module's `launch` or its recorded replay: configs, fresh outputs, the call cache), except that each
+compiled kernel is a no-op on the TVM-FFI path and the device checks answer as for an H200
+(kda_chain.testing.stub_device). Outputs stay uninitialized; nothing here checks numbers. What it
+leaves out against the device machine: the TVM-FFI call itself (~5-25 us per launch there:
+bench/check_tvm_ffi.py), the CUDA caching allocator (torch.empty: ~4.7 us there,
+bench/check_launch.py --profile), autograd's device thread.
 
     python bench/check_host.py [--B 2 --T 256 --H 16 --V 128] [--steps 300] [--profile]
 

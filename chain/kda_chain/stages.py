@@ -237,7 +237,7 @@ class _Plan:
     def launch(self, name: str, mod, args, kwargs):
         """Stage `name`'s CuTe launch (module `mod`): replayed when this plan recorded one for it
         here, recorded when this plan is recording."""
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        tensors = _tensors(args, kwargs)
         form = _form(args, kwargs)
         finish = getattr(mod, "finish", None)
         if self.replay is not None:
@@ -245,10 +245,8 @@ class _Plan:
             if j < len(self.launches) and self.launches[j][:2] == (name, form):
                 self.j = j + 1
                 rp = self.launches[j][2]
-                t0 = tensors[0]
-                if (rp is None or rp.epoch != call_cache.epoch()
-                        or (t0.is_cuda and t0.get_device() != torch.cuda.current_device())):
-                    return mod.launch(*args, **kwargs)  # (the call cache's launch guards the device)
+                if rp is None or not rp.usable(tensors[0]):
+                    return mod.launch(*args, **kwargs)
                 out = rp(tensors)
                 return out if finish is None else finish(out, *args, **kwargs)
             self.replay = None  # diverged: no decision or launch is replayed from here on

@@ -156,7 +156,7 @@ def alloc(shape: Sequence[int], dtype: torch.dtype, like: torch.Tensor) -> torch
     of host time on the H200 machine against ~4.0-4.7 for torch.empty with a device argument
     (bench/check_launch.py --profile, 2026-12-02), and a step allocates ~27 outputs."""
     t = like.new_empty(shape, dtype=dtype)
-    rec = getattr(_recording, "rec", None)
+    rec = _recorder()
     if rec is not None:
         rec.allocs.append(t)
     return t
@@ -219,8 +219,10 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 _epoch = [0]  # bumped by every CallCache.clear(): a Replay of an older epoch is not used
 
 
-def epoch() -> int:
-    return _epoch[0]
+def off_current_device(dev: torch.device) -> bool:
+    """A CUDA device other than the current one: a compiled kernel is loaded into, and launched
+    from, the current device's context."""
+    return dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device()
 
 
 class Replay:
@@ -232,13 +234,19 @@ class Replay:
     __slots__ = ("n_in", "allocs", "consts", "views", "calls", "outs", "epoch")
 
     def __init__(self, n_in, allocs, consts, views, calls, outs):
-        self.epoch = _epoch[0]  # the call caches' epoch it was recorded in (`epoch()`)
+        self.epoch = _epoch[0]  # the call caches' epoch it was recorded in (`usable`)
         self.n_in = n_in  # tensor arguments, in call order
         self.allocs = allocs  # ((shape, dtype), ...): pool slots n_in ..
         self.consts = consts  # process-lifetime tensors: the slots after the allocations
         self.views = views  # ((base slot, shape, stride, offset from the base's), ...): the last slots
         self.calls = calls  # ((compiled fn, (slot, ...)), ...)
         self.outs = outs  # the launch's result: a slot, or a tuple of slots / None
+
+    def usable(self, like: torch.Tensor) -> bool:
+        """Whether this replay may run for tensors on `like`'s device: recorded since the last
+        `CallCache.clear()` (which retires the compiled functions it holds), and on the current
+        device (a replay has no device guard: the call cache's launch does)."""
+        return self.epoch == _epoch[0] and not off_current_device(like.device)
 
     def __call__(self, inputs: Sequence[torch.Tensor]):
         pool = list(inputs)
@@ -373,9 +381,7 @@ class CallCache:
     def launch(self, compile_key, args: Sequence[torch.Tensor], dyn_modes: Sequence[Sequence[int]],
                build: Callable) -> None:
         dev = args[0].device
-        if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
-            # a compiled kernel is loaded into, and launched from, the current device's context:
-            # make that the tensors' device (torch's own ops do the same per call)
+        if off_current_device(dev):  # make the tensors' device current (torch's own ops do the same)
             rec = _recorder()
             if rec is not None:
                 rec.refuse("a launch on another device than the current one")
