@@ -20,7 +20,11 @@ within 2x fla's relative error (+1e-6), and bitwise equal on a second call. fla 
 upper triangle unwritten (its consumers mask it): Aqk is compared on and below the diagonal.
 Timing: CUDA events, median (bench/cuda_clock), ours and fla in one run.
 
-    python bench/check_stage.py --stage fwd_prep [bwd_prep ...] [--no-time] [--quick]
+    python bench/check_stage.py --stage fwd_prep [bwd_prep ...] [--no-time] [--quick] [--alt DIR ...]
+
+`--alt DIR` (a copy of the package from another commit: `git archive C packages/kda-cute/kda_cute
+| tar -x -C alt/C`) times that copy's module on the same arguments in the same run, ours first and
+again after it, so an A/B of two builds reads from one process.
 """
 
 from __future__ import annotations
@@ -252,14 +256,20 @@ def check(stage, name, calls) -> bool:
     return ok and same
 
 
-def timing(stage, name, calls):
+def timing(stage, name, calls, alts=()):
     run_ours, run_fla, _ = ours_fla(stage, calls)
     t_ours = median_ms(run_ours, inner=3)
+    args, kw = stage_args(calls, stage), {**cute_flags(calls, stage), **stage_kwargs(calls, stage)}
+    for pkg, path in alts:  # the candidates between two timings of ours (the clocks' drift shows)
+        alt = getattr(importlib.import_module(f"{pkg}.{CHECKS[stage].module}"), CHECKS[stage].contract)
+        t_alt = median_ms(lambda alt=alt: alt(*args, **kw), inner=3)
+        t_again = median_ms(run_ours, inner=3)
+        print(f"TIME {stage} {name}: ours {t_ours:.3f} / {t_again:.3f} ms, {path} {t_alt:.3f} ms "
+              f"({t_alt / min(t_ours, t_again):.3f}x ours)", flush=True)
     t_fla = median_ms(run_fla, inner=3)
     before = CHECKS[stage].ours_before
     extra = ""
     if before is not None:
-        args, kw = stage_args(calls, stage), {**cute_flags(calls, stage), **stage_kwargs(calls, stage)}
         t_b = median_ms(lambda: before(*args, **kw), inner=3)
         extra = f", ours before {t_b:.3f} ms ({t_b / t_ours:.2f}x)"
     print(
@@ -275,7 +285,11 @@ def main() -> int:
                     help="one or more stages, checked on the same chain calls (one compile of each kernel)")
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--alt", action="append", default=[], help="a package copy to time beside ours")
     a = ap.parse_args()
+    from ab_stage import load_alt
+
+    alts = [(load_alt(p, i), p) for i, p in enumerate(a.alt)]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     ok = True
     checks = [
@@ -302,7 +316,7 @@ def main() -> int:
                 for st in a.stage:
                     if "reference" in name:
                         ok &= check(st, name + " [batch 0 vs float64]", calls)
-                    timing(st, name, calls)
+                    timing(st, name, calls, alts)
                 del calls
                 torch.cuda.empty_cache()
             except Exception as e:

@@ -62,7 +62,8 @@ for s in $steps; do
     scans)  # one process per scan: a hang costs only its own limit
       for st in ${SCAN_STAGES:-b1 fwd dhu}; do step "check_scans_$st" ${SCAN_LIMIT:-150} python bench/check_scans.py --stage $st; done ;;
     stages)  # the chunk-parallel CuTe stages vs fla on a chain call's arguments (bench/check_stage.py)
-      step check_stages ${STAGE_LIMIT:-400} python bench/check_stage.py --stage ${CHECK_STAGES:-fwd_prep bwd_prep bwd_chunk} ;;
+      step check_stages ${STAGE_LIMIT:-400} python bench/check_stage.py --stage ${CHECK_STAGES:-fwd_prep bwd_prep bwd_chunk} \
+        ${CHECK_ALT:+--alt $CHECK_ALT} ;;  # CHECK_ALT: a package copy timed beside ours (--alt)
     launch)  # host vs device time per launch and per chain step (the small-shape slowdown)
       step check_launch 120 python bench/check_launch.py
       step check_launch_profile 150 python bench/check_launch.py --profile --pstats "$OUT" ;;

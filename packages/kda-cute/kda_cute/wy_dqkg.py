@@ -224,10 +224,59 @@ def _build_kernel_class():
                        mGr, mAlog, mBias, mDAp, mDbp)
 
         @cute.jit
-        def _l2norm_rows(self, sX, sY, mR, mO, b, h, hv, row0, tidx):
+        def _row_prefetch(self, mQr, mKr, mGr, b, h, hv, row0, tidx):
+            """The row passes' global operands pulled into L2 before the intra walk, so their loads
+            (issued after it, `_row_loads`) wait on L2, not DRAM: the rstds (threads 0-127, a row
+            each) and the raw gate's 128-byte lines (the next 128-256 threads, a line each)."""
+            base = 0
+            if cutlass.const_expr(self.l2norm):
+                base = 2 * BT
+                for which, m in ((0, _warp.gmem(mQr)), (1, _warp.gmem(mKr))):
+                    if tidx // BT == which:
+                        r = row0 + tidx % BT
+                        cute.arch.prefetch((m[b, r, None].iterator + h).llvm_ptr, cache_level="L2")
+            if cutlass.const_expr(self.gate != "none"):
+                mG = _warp.gmem(mGr)
+                per_line = 128 * 8 // mG.element_type.width  # elements of a 128-byte line
+                lines = self.K // per_line  # per row
+                i = tidx - base
+                if i >= 0:
+                    if i < BT * lines:
+                        src = mG[b, row0 + i // lines, hv, None].iterator + (i % lines) * per_line
+                        cute.arch.prefetch(src.llvm_ptr, cache_level="L2")
+
+        @cute.jit
+        def _row_loads(self, mQr, mKr, mGr, mAlog, mBias, b, h, hv, row0, tidx):
+            """Every global operand of this warp's row passes, issued at once (one round trip, not
+            one per row): the q / k rstds of its 4 rows, the raw gate's 4 row segments (a lane's
+            4 columns), exp(A_log[hv]) and the lane's 4 dt_bias values. -> (rq, rk, raw, ea, bias),
+            None where not used."""
+            K = self.K
+            lane = tidx % 32
+            RW = BT // (THREADS // 32)
+            rows = [row0 + (tidx // 32) * RW + i for i in range(RW)]
+            rq = rk = raw = ea = bias = None
+            if cutlass.const_expr(self.l2norm):
+                rq = [f32(mQr[b, r, h]) for r in rows]
+                rk = [f32(mKr[b, r, h]) for r in rows]
+            if cutlass.const_expr(self.gate != "none"):
+                mG = _warp.gmem(mGr)
+                rowv = cute.make_layout((K // 4, 4), stride=(4, 1))
+                raw = [cute.make_tensor(mG[b, r, hv, None].iterator, rowv)[lane, None].load() for r in rows]
+                ea = _exp2(f32(mAlog[0, hv]) * LOG2E)
+                bias = cute.make_rmem_tensor(cute.make_layout(4), f32)
+                bias.fill(0.0)
+                if cutlass.const_expr(self.gate_bias):
+                    for x in cutlass.range_constexpr(4):
+                        bias[x] = f32(mBias[hv, 4 * lane + x])
+            return rq, rk, raw, ea, bias
+
+        @cute.jit
+        def _l2norm_rows(self, sX, sY, rs, mO, b, h, hv, row0, tidx):
             """q / k's L2-norm backward (fla's l2norm_bwd) of the chunk's rows, 4 per warp, a lane
             per 4 columns: dx = dy r - y (dy . y) r from dy (sX, fp32) and y (sY, the normalized
-            q / k the kernel used), r the rstd the forward saved; out in the io dtype."""
+            q / k the kernel used), r the rstds the forward saved (`_row_loads`: one per row of the
+            warp's); out in the io dtype."""
             K = self.K
             lane = tidx % 32
             wid = tidx // 32
@@ -243,14 +292,14 @@ def _build_kernel_class():
                     dot = dot + dy[j] * y[j]
                 for off in (16, 8, 4, 2, 1):
                     dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=off)
-                rs = f32(mR[b, row0 + r, h])
-                dx = dy * rs - y * (dot * rs)
+                dx = dy * rs[i] - y * (dot * rs[i])
                 cute.local_tile(mO[b, row0 + r, hv, None], (4,), (lane,)).store(dx.to(self.io_dtype))
 
         @cute.jit
-        def _gate_rows(self, sDy, mGr, mAlog, mBias, mO, mDAp, mDbp, sRed, sRedA, b, hv, t_idx, row0, tidx):
+        def _gate_rows(self, sDy, raw, ea, bias, mO, mDAp, mDbp, sRed, sRedA, b, hv, t_idx, row0, tidx):
             """fla's kda_gate_bwd of the chunk's rows, 4 per warp, a lane per 4 columns: from dy (the
-            folded dg, sDy fp32) and the raw gate g, x = g + dt_bias, A = A_log[hv]:
+            folded dg, sDy fp32) and the raw gate g (`_row_loads`: raw, ea = exp(A), bias), x = g +
+            dt_bias, A = A_log[hv]:
                 softplus:     dg = -exp(A) (dy sigmoid(x)),  dA += dy (-exp(A) softplus(x))
                 lower_bound:  s = sigmoid(exp(A) x),  dg = dy (lb s (1 - s)) exp(A),  dA += dg x
             (fla's softplus: x above 20, else ln(1 + e^x)); dg out in g's dtype. The chunk's dA and
@@ -261,19 +310,7 @@ def _build_kernel_class():
             wid = tidx // 32
             NW = THREADS // 32
             RW = BT // NW  # rows per warp
-            mGr = _warp.gmem(mGr)
             sY4 = cute.make_tensor(sDy.iterator, cute.make_layout((BT, K // 4, 4), stride=(K, 4, 1)))
-            rowv = cute.make_layout((K // 4, 4), stride=(4, 1))
-            ea = _exp2(f32(mAlog[0, hv]) * LOG2E)
-            bias = cute.make_rmem_tensor(cute.make_layout(4), f32)
-            bias.fill(0.0)
-            if cutlass.const_expr(self.gate_bias):
-                for x in cutlass.range_constexpr(4):
-                    bias[x] = f32(mBias[hv, 4 * lane + x])
-            raw = []  # every row's load issued before the first use
-            for i in cutlass.range_constexpr(RW):
-                src = cute.make_tensor(mGr[b, row0 + wid * RW + i, hv, None].iterator, rowv)
-                raw.append(src[lane, None].load())
             dbs = cute.make_rmem_tensor(cute.make_layout(4), f32)
             dbs.fill(0.0)
             dgr = cute.make_rmem_tensor(cute.make_layout(4), f32)
@@ -819,17 +856,22 @@ def _build_kernel_class():
                 if cutlass.const_expr(gate):  # the folded dg too, for the gate's rows
                     outs[2] = ins[2]
                 gDb = cute.local_tile(mDb[b, None, hv], (BT,), (t_idx,))
+                rows = self.l2norm or gate  # (mDA, mDAq: the rstds)
+                if cutlass.const_expr(rows):
+                    self._row_prefetch(mDA, mDAq, mGr, b, h, hv, row0, tidx)
                 self.intra_walk(tidx, sQ, sK, sG, sAqS, sAkS, sBeta, sDbp, sStage, *ins, *outs, sDbi, gDb, 0)
-                if cutlass.const_expr(self.l2norm or gate):
+                if cutlass.const_expr(rows):  # the loads fly while the barrier waits for the last warp
+                    rq, rk, raw, ea, bias = self._row_loads(mDA, mDAq, mGr, mAlog, mBias, b, h, hv, row0,
+                                                            tidx)
                     cute.arch.sync_threads()  # every column of dq, dk, dg is final; dAqk's slot is dead
                 if cutlass.const_expr(self.l2norm):
-                    self._l2norm_rows(sDqS, sQ, mDA, mDq, b, h, hv, row0, tidx)  # (mDA, mDAq: the rstds)
-                    self._l2norm_rows(sDkS, sK, mDAq, mDk, b, h, hv, row0, tidx)
+                    self._l2norm_rows(sDqS, sQ, rq, mDq, b, h, hv, row0, tidx)
+                    self._l2norm_rows(sDkS, sK, rk, mDk, b, h, hv, row0, tidx)
                 if cutlass.const_expr(gate):  # the per-warp partials in dAqk's dead slot
                     NW = THREADS // 32
                     sRed = at(R_AQ, f32, cute.make_layout((NW, K), stride=(K, 1)))
                     sRedA = at(R_AQ + NW * K * 4, f32, cute.make_layout(NW))
-                    self._gate_rows(sDgS, mGr, mAlog, mBias, mDg, mDAp, mDbp, sRed, sRedA, b, hv, t_idx, row0,
+                    self._gate_rows(sDgS, raw, ea, bias, mDg, mDAp, mDbp, sRed, sRedA, b, hv, t_idx, row0,
                                     tidx)
             else:
                 cute.copy(st_c, tsc.retile(acc_a), tsc.partition_D(gDA))

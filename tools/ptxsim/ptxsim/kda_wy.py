@@ -90,7 +90,26 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
             t.fill_(float("nan"))
     if ctas is None:
         ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
-    got = run_grid(prog, list(tensors), ctas, WyCTA, THREADS)
+    H = args[0].shape[2]
+
+    def rows_of(tx, hy, bz, bases):
+        """Byte ranges of this CTA's chunk rows in the tensors its row passes read (q_rstd, k_rstd
+        [B, T, H] at head hy // G; the raw gate [B, T, HV, K] at hy): the only lines its L2
+        prefetches may touch."""
+        out = []
+        for i, on in ((16, rstd is not None), (17, rstd is not None), (18, bool(gate))):
+            if not on:
+                continue
+            t = tensors[i]
+            heads = t.shape[2]
+            head = hy // (HV // H) if heads == H and i < 18 else hy
+            row = (t.shape[3] if t.dim() == 4 else 1) * t.element_size()
+            for r in range(tx * 64, tx * 64 + 64):
+                lo = bases[i] + ((bz * T + r) * heads + head) * row
+                out.append((lo, lo + row))
+        return out
+
+    got = run_grid(prog, list(tensors), ctas, WyCTA, THREADS, prefetch_ok=lambda c, bases: rows_of(*c, bases))
     n = len(args)
     if parts is None:
         return got[n:n + 5]
