@@ -47,15 +47,16 @@ What it removes: the fp32 dq, dk, dg, dAqk, dAkk that went out of wy_dqkg and ba
 (10.7 GB of traffic at that shape), with the rstds the two l2norm_bwd passes, and with the gate
 fla's kda_gate_bwd (its g, fp32 dg in, dg out: 2.15 GB): four launches.
 
-Today (H200, 2026-12-02, commit 25a4ffa, bench/check_stage.py --stage bwd_chunk, the chain's flags:
-gate + l2norm in the op, same run): 8.595 ms at the reference shape against our previous
-kda_cute_wy_dqkg + kda_cute_intra + 2 x kda_cute_l2norm_bwd + fla's kda_gate_bwd 10.045 (1.17x) and
-fla's kernels 30.364 (3.53x); 7.200 vs 8.577 / 27.398 at B16 T8192 H16 K=V=128, 0.540 vs 0.633 /
-1.847 at B2 T4096. The gate's row pass is neutral on the device (7.954 ms without it + fla's gate
-backward 0.633 = 8.587): it is serial behind the walk at one CTA per SM, and the gate build spills
-(128 registers). Not bandwidth-bound: the walk's latency has nothing beside it. Every output's
-error vs float64 at or below fla's but dA_log at the GVA shape (6.06e-4 vs 5.42e-4); bitwise
-repeatable (bench/results/bwd_chunk.md, docs/perf/bwd_chunk.md).
+Today (H200, 2026-12-03, commit b73b5ef, bench/check_stage.py --stage bwd_chunk, the chain's flags:
+gate + l2norm in the op, same run): 7.92 ms at the reference shape against our previous
+kda_cute_wy_dqkg + kda_cute_intra + 2 x kda_cute_l2norm_bwd + fla's kda_gate_bwd 9.92 (1.25x) and
+fla's kernels 30.29 (3.82x); 6.72 vs 8.63 / 27.53 at B16 T8192 H16 K=V=128, 0.541 vs 0.720 / 1.884
+at B2 T4096. The row passes' global operands (rstds, raw gate) are prefetched into L2 before the
+walk and loaded all at once after it (they had been one DRAM round trip per row: 8.51 -> 7.92 ms).
+Not bandwidth-bound (1.8 TB/s of its 14.24 GB): one CTA per SM runs the V walk, the epilogue and
+the intra walk one after another with nothing beside them (Nsight Compute: 36% / 16% / 27% of the
+stall samples). Every output's error vs float64 within 2x of fla's (dA_log up to 1.5x, the others
+at or below), bitwise repeatable (bench/results/bwd_chunk.md, docs/perf/bwd_chunk.md).
 
 Constraints: kda_cute_wy_dqkg's (K = 128, V % 64 == 0, T % 64 == 0, HV % H == 0, dtypes, contiguous
 and 16-byte aligned). This module is the stage's host side; the device code is wy_dqkg's class and

@@ -413,25 +413,32 @@ def _build_kernel_class():
             kda_cute_l2norm_fwd's arithmetic in its order (bitwise its output): a lane per K / 32
             adjacent columns, the squares summed in the lane, then a 5-step butterfly; rstd = 1 /
             sqrt(sum + 1e-6) in fp32 (IEEE sqrt and division), x <- io(x rstd). With `writer` (the
-            first CTA of the GVA group) the rows go out to mY and the rstds to mR."""
+            first CTA of the GVA group) the rows go out to mY and the rstds to mR. NB rows at a time:
+            their loads, sums and butterflies interleave (a row's in-place store would otherwise
+            keep the next row's load behind it: one row's latency chain after another)."""
             KP = self.K // 32
+            NB = 4  # rows in flight per warp
             sXp = cute.make_tensor(sX.iterator, cute.make_layout((BT, 32, KP), stride=(self.K + QPAD, KP, 1)))
             rowv = cute.make_layout((32, KP), stride=(KP, 1))
-            for i in cutlass.range_constexpr(BT // 8):
-                r = wid + 8 * i
-                x = sXp[r, lane, None].load().to(f32)
-                ss = f32(0.0)
-                for j in cutlass.range_constexpr(KP):
-                    ss = ss + x[j] * x[j]
+            for i0 in cutlass.range_constexpr(0, BT // 8, NB):
+                rows = [wid + 8 * (i0 + u) for u in range(NB)]
+                xs = [sXp[r, lane, None].load().to(f32) for r in rows]
+                sums = []
+                for x in xs:
+                    ss = f32(0.0)
+                    for j in cutlass.range_constexpr(KP):
+                        ss = ss + x[j] * x[j]
+                    sums.append(ss)
                 for off in (16, 8, 4, 2, 1):
-                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=off)
-                rs = 1.0 / cute.math.sqrt(ss + EPS)
-                y = (x * rs).to(self.io_dtype)
-                sXp[r, lane, None].store(y)
-                if writer:
-                    cute.make_tensor(mY[b, row0 + r, h, None].iterator, rowv)[lane, None].store(y)
-                    if lane == 0:
-                        mR[b, row0 + r, h] = rs
+                    sums = [ss + cute.arch.shuffle_sync_bfly(ss, offset=off) for ss in sums]
+                for r, x, ss in zip(rows, xs, sums, strict=True):
+                    rs = 1.0 / cute.math.sqrt(ss + EPS)
+                    y = (x * rs).to(self.io_dtype)
+                    sXp[r, lane, None].store(y)
+                    if writer:
+                        cute.make_tensor(mY[b, row0 + r, h, None].iterator, rowv)[lane, None].store(y)
+                        if lane == 0:
+                            mR[b, row0 + r, h] = rs
 
         @cute.jit
         def _invert_diagonal(self, sL, sX, t):
