@@ -78,10 +78,10 @@ Today (H200, 2026-12-02, bench/check_stage.py --stage fwd_prep): 3.559 ms vs fla
 fwd_intra 5.405 at the reference shape (1.52x; 2.0x over the byte floor above), 3.162 vs 5.058 at
 B16 T8192 H16 K=V=128 (1.60x), 0.231 vs 0.397 at B2 T4096 (1.72x);
 every output's error vs float64 equal to fla's, bitwise repeatable (bench/results/prep.md).
-All without l2norm. With it (commit 25a4ffa, the chain's flags): 4.100 ms vs fla's 2 x l2norm_fwd +
-gate cumsum + fwd_intra 5.905 at the reference shape (1.44x), 3.700 vs 5.550 at K=V=128, 0.314 vs
-0.792 at B2 T4096; in the witness 4.031 ms against the 4.160 of kda_cute_l2norm_fwd x2 + this
-kernel without the flag.
+All without l2norm. With it (2026-12-03, commit eaaf32d, the chain's flags; the normalization 4 rows
+per warp at a time): 3.995 ms vs fla's 2 x l2norm_fwd + gate cumsum + fwd_intra 5.864 at the
+reference shape (1.47x), 3.480 vs 5.596 at K=V=128, 0.267 vs 0.707 at B2 T4096; 3.914 ms in the
+witness.
 
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_prep_compile.py, ptxsim.kda_prep)
 against float64 and fla's roundings (with l2norm: bitwise kda_cute_l2norm_fwd, then the kernel
