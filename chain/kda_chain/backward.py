@@ -2,7 +2,8 @@
 
     bwd_prep                   kda_cute_bwd_prep: gk from the raw gate and w, u, qg, kg from the
                                saved Akk (fla: kda_gate_chunk_cumsum / chunk_local_cumsum +
-                               recompute_w_u)
+                               recompute_w_u); without the gate in the op the forward's gk is
+                               saved (as fla saves it) and read instead of recomputed
     b1                         kda_cute_b1: re-scan h for every chunk and v_new (these two
                                skipped with disable_recompute: the forward kept them); on small
                                grids on a second stream, beside dhu (which does not read its outputs)
@@ -106,8 +107,9 @@ def _backward(do, dht, s: Saved, f: Flags):
     if s.kept is not None:  # disable_recompute: the forward kept these (and gk)
         gk, w, u, qg, kg, h, v_new = (s.gk, s.kept.w, s.kept.u, s.kept.qg, s.kept.kg, s.kept.h, s.kept.v_new)
     else:  # gk and the WY factors again from the raw gate and the saved Akk (one kernel)
+        kw = {} if s.gk is None else dict(gk=s.gk)  # (the forward's gk: no gate in the op)
         gk, w, u, qg, kg = S.bwd_prep(q, k, v, s.g, beta, s.A_log, s.dt_bias, s.Akk, f.lower_bound,
-                                      f.use_gate_in_kernel, f.chunk_size)
+                                      f.use_gate_in_kernel, f.chunk_size, **kw)
     # bwd_dAv's two products live in the CuTe kernels that hold their operands: dv = tril(Aqk)^T do
     # in dhu's reverse scan, dAqk = scale tril(do v_new^T) in wy_dqkg's V walk. Where either stage
     # is not the CuTe kernel, bwd_dAv runs (with that stage's reason in the record).

@@ -16,9 +16,10 @@
     b1                         only with disable_recompute: kda_cute_b1's h (bf16 per chunk) and
                                v_new, kept for the backward (fwd does not store them)
 
-What is saved for backward is what fla 0.6.0 saves less gk: q, k (after l2norm) with their rstd,
-v, the raw g, beta (raw and activated), A_log, dt_bias, Aqk, Akk, initial_state (fla also keeps
-gk when the gate is not in the kernel; the backward's bwd_prep recomputes it from g either way).
+What is saved for backward is what fla 0.6.0 saves: q, k (after l2norm) with their rstd, v, the
+raw g, beta (raw and activated), A_log, dt_bias, Aqk, Akk, initial_state, and gk when the gate is
+not in the kernel (the backward's bwd_prep then reads it instead of recomputing it: no gate, no
+cumsum, no gk written); with the gate in the kernel bwd_prep recomputes gk from g.
 With disable_recompute, as fla: also gk and w, u, qg, kg, h, v_new (`Kept`), so the backward
 skips bwd_prep and b1.
 """
@@ -117,6 +118,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks):
     if f.disable_recompute:  # the states for the backward: fwd keeps none (b1: 1.4 ms at the ref shape)
         h, v_new, _ = S.b1(kg, w, u, gk, initial_state, False, chunks=chunks)
         kept = Kept(w, u, qg, kg, h, v_new)
-    saved = Saved(q, q_rstd, k, k_rstd, v, gk if kept else None, g, beta_raw,
+    keep_gk = kept is not None or not f.use_gate_in_kernel  # fla's rule (its memory, no more)
+    saved = Saved(q, q_rstd, k, k_rstd, v, gk if keep_gk else None, g, beta_raw,
                   beta, A_log, dt_bias, Aqk, Akk, initial_state, kept, chunks)
     return (o if o.dtype == q.dtype else o.to(q.dtype)), ht, saved

@@ -67,7 +67,7 @@ def _fwd_meta(q, k, v, g, beta, initial_state, chunks, output_final_state, l2nor
         ((B, T, H), f32) if l2norm else None,  # q_rstd
         ((B, T, H, K), k.dtype) if l2norm else None,  # k, l2-normalized
         ((B, T, H), f32) if l2norm else None,  # k_rstd
-        ((B, T, HV, K), f32) if keep else None,  # gk (else the backward's bwd_prep recomputes it from g)
+        ((B, T, HV, K), f32) if keep or not gate else None,  # gk (else bwd_prep recomputes it from g)
         ((B, T, HV), f32) if beta_sigmoid else None,  # beta after the sigmoid
         ((B, T, HV, 64), k.dtype),  # Aqk
         ((B, T, HV, 64), k.dtype),  # Akk

@@ -470,8 +470,10 @@ def _fla_recompute_w_u(q, k, v, beta, Akk, gk):
     return f(q=q, k=k, v=v, beta=beta, A=Akk, gk=gk)
 
 
-def _fla_bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size):
-    gk = _fla_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
+def _fla_bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size,
+                  gk=None):
+    if gk is None:  # (given: the forward's, as fla's backward takes it without the gate in the op)
+        gk = _fla_gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
     return (gk, *_fla_recompute_w_u(q, k, v, beta, Akk, gk))
 
 

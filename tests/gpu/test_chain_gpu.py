@@ -48,8 +48,10 @@ def make(B, T, H, HV, K, V, dtype, seed=0, keep=False):
 
 def forward(fn, leaves, **extra):
     """fn (a chunk_kda) on the inputs of `make` with FLAGS (and `extra`) -> (o, ht)."""
-    return fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], A_log=leaves["A_log"],
-              dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"], **FLAGS, **extra)
+    kw = dict(A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], initial_state=leaves["initial_state"],
+              **FLAGS)
+    kw.update(extra)  # (extra may override a flag or drop the gate's parameters)
+    return fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], **kw)
 
 
 def run(fn, x, cot, dtype=None, **extra):
@@ -112,24 +114,30 @@ def _held_after_forward(fn, x, **extra):
     return held
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "disable_recompute"])
-def test_saved_activations_no_more_than_fla(keep):
+@pytest.mark.parametrize("keep, pregate", [(False, False), (True, False), (False, True)],
+                         ids=["recompute", "disable_recompute", "pregate"])
+def test_saved_activations_no_more_than_fla(keep, pregate):
     """The memory standard: the chain keeps no more for its backward than fla's chunk_kda does
-    (both recompute w, u, h in the backward; with disable_recompute both keep them), nothing
-    pinned across calls (a second call holds the same), and outputs are fresh per call. The bytes
-    held go to $OUT/memory.json when $OUT is set."""
+    (both recompute w, u, h in the backward; with disable_recompute both keep them; with a given
+    log gate, no gate in the op, both keep gk), nothing pinned across calls (a second call holds
+    the same), and outputs are fresh per call. The bytes held go to $OUT/memory.json when $OUT is
+    set."""
     from fla.ops.kda import chunk_kda as fla_kda
     from kda_chain import chunk_kda
 
     # the bench's small shape (fla has autotuned it): fwd, b1 and intra run their CuTe kernels
     x, _ = make(B=2, T=4096, H=16, HV=16, K=128, V=128, dtype=torch.bfloat16)
     extra = dict(disable_recompute=True) if keep else {}
+    if pregate:  # a negative per-step log gate, as a model that computes its own gate passes it
+        x["g"] = -torch.nn.functional.softplus(x["g"].float())
+        extra = dict(use_gate_in_kernel=False, A_log=None, dt_bias=None)
     fla_kda_held = _held_after_forward(fla_kda, x, **extra)
     ours = [_held_after_forward(chunk_kda, x, **extra) for _ in range(2)]
     if os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "memory.json")
         rec = json.load(open(path)) if os.path.exists(path) else {}
-        rec["disable_recompute" if keep else "recompute"] = {"ours_bytes": ours[0], "fla_bytes": fla_kda_held}
+        mode = "pregate" if pregate else "disable_recompute" if keep else "recompute"
+        rec[mode] = {"ours_bytes": ours[0], "fla_bytes": fla_kda_held}
         with open(path, "w") as f:
             json.dump(rec, f, indent=1)
     slack = 1 << 20  # allocator rounding of a few small tensors

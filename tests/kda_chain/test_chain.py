@@ -126,6 +126,31 @@ def test_fwd_prep_computes_qg_only_when_the_cute_fwd_is_planned(monkeypatch):
     assert run()[1:] == (False, None)
 
 
+@pytest.mark.parametrize("gate_in", [False, True], ids=["pregate", "gate"])
+def test_bwd_prep_reads_the_forwards_gk_without_the_gate_in_the_op(gate_in):
+    """Without the gate in the op the forward keeps gk (as fla does) and bwd_prep takes that very
+    tensor (kda_cute_bwd_prep then reads it: no gate, no cumsum, no gk written); with the gate in
+    the op nothing is kept and bwd_prep recomputes gk from g."""
+    from kda_chain.stages import capture
+
+    x = _inputs(T=130, H=2, HV=4)
+    kw = dict(initial_state=x["initial_state"], use_gate_in_kernel=gate_in)
+    if gate_in:
+        kw.update(A_log=x["A_log"])
+    g = x["g"] if gate_in else -torch.nn.functional.softplus(x["g"]).detach().requires_grad_(True)
+    with capture() as calls:
+        o, _ = chunk_kda(x["q"], x["k"], x["v"], g, x["beta"], **kw)
+        o.sum().backward()
+    args = {name: (a, kwa) for name, a, kwa in calls}
+    fwd_gk = args["fwd"][0][5]
+    given = args["bwd_prep"][1].get("gk")
+    if gate_in:
+        assert given is None
+    else:
+        assert given is not None and torch.equal(given, fwd_gk)  # (the saved one: a contiguous copy
+        # of the reference's strided view here, the kernel's own output on the GPU)
+
+
 def _grads_and_stages(x, names, kw):
     """One fwd+bwd of chunk_kda on x (o.sum()) -> the gradients of `names`, the stages called."""
     for n in names:

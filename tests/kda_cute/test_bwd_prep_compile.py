@@ -95,11 +95,30 @@ def test_gva_batch_fp16_lower_bound(ptx):
     _check(emulate_bwd_prep(text, a, akk, ctas=[(1, 1, 1)]), a, akk, rows=[(1, 64, 1)])
 
 
+def test_the_forwards_gk_is_read_not_recomputed(ptx):
+    """No gate in the op (fp32 step log gate, as the chain keeps gk then), GVA B1 T128 H1 HV2 V64:
+    with the forward's gk given, the build that reads it (no gate, no cumsum, no gk store: gk
+    comes back as it went in) gives w, u, qg, kg bit for bit what kda_cute_prep gave the forward."""
+    a = prep_inputs(B=1, T=128, H=1, HV=2, V=64, seed=2, gate="none", gmin=-5.0)
+    fwd = emulate_prep(ptx(P.compile_for(*a, SCALE, want_qg=True, keep_ptx=True)), a, want_qg=True)
+    gk, akk = fwd[0], fwd[6]
+    text = ptx(BP.compile_for(*a[:7], akk, *a[7:], keep_ptx=True, gk=gk))
+    got = emulate_bwd_prep(text, a, akk, gk=gk)
+    for name, x, y in zip(NAMES[1:], got[1:], fwd[1:5], strict=True):
+        assert torch.equal(_bits(x), _bits(y)), name
+    _check(got, a, akk)
+
+
 def test_reasons_on_cpu():
     a = prep_inputs()
     akk = torch.zeros(1, 64, 1, 64, dtype=torch.bfloat16)
     assert "CUDA" in BP.is_supported(*a[:7], akk, *a[7:])
     assert "Akk shape" in BP._hard_reason(*a[:7], akk[:, :, :, :32], False, 64)
     assert "Akk dtype" in BP._hard_reason(*a[:7], akk.half(), False, 64)
+    gk = torch.zeros(1, 64, 1, 128)
+    assert "gk" not in (BP._gk_reason(a[3], gk, False) or "")  # (on CPU: only the device's reason)
+    assert "only without the gate" in BP._gk_reason(a[3], gk, True)
+    assert "fp32" in BP._gk_reason(a[3], gk.double(), False)
+    assert "[B,T,HV,K]" in BP._gk_reason(a[3], gk[:, :32], False)
     with pytest.raises(ValueError, match="unsupported call: K=64"):
         BP.bwd_prep(*prep_inputs(K=64)[:7], akk, None, False)

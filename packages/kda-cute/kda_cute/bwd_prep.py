@@ -29,6 +29,11 @@ the gate nor v's loads bound it, docs/perf/prep.md), 1.848 vs 1.815 at B16 T8192
 (0.98x), 0.145 vs 0.197 at B2 T4096 (1.36x); every output's error vs float64 at or below fla's,
 bitwise repeatable.
 
+With the forward's gk given (`gk=`: no gate in the op, where fla keeps gk for the backward too and
+the chain does the same) phase 0 reads it into the g tile by cp.async with q, k and Akk: no gate,
+no cumsum, no gk written (1.07 GB less at B16 T8192 H16 K128), the other outputs bitwise the same
+(the forward wrote that gk); gk is returned as given.
+
 Constraints: kda_cute_prep's (K = 128, V % 64 == 0, T % 64 == 0, HV % H == 0, dtypes, contiguous
 and 16-byte aligned), and Akk [B, T, HV, 64] in q's dtype.
 
@@ -59,22 +64,35 @@ def _hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chun
             or _warp.layout_reason(("q", "Akk"), (q, Akk)))
 
 
+def _gk_reason(g, gk, use_gate_in_kernel) -> str | None:
+    """The given gk's reasons (None when not given)."""
+    if gk is None:
+        return None
+    if use_gate_in_kernel:
+        return "gk is given only without the gate in the op (it is then the forward's)"
+    if tuple(gk.shape) != tuple(g.shape) or gk.dtype != torch.float32:
+        return f"gk must be [B,T,HV,K] = {tuple(g.shape)} fp32; got {tuple(gk.shape)} {gk.dtype}"
+    return _warp.layout_reason(("g", "gk"), (g, gk))
+
+
 def is_supported(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel,
-                 chunk_size=BT) -> str | None:
+                 chunk_size=BT, gk=None) -> str | None:
     """None when `bwd_prep` runs the CuTe kernel on these arguments, else the reason it would not."""
-    return _hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size)
+    return (_hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size)
+            or _gk_reason(g, gk, use_gate_in_kernel))
 
 
-def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel) -> _prep.PrepConfig:
+def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, gk_in=False) -> _prep.PrepConfig:
     # the scale is Aqk's only: not compiled in
-    return _prep._config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, 1.0, True, recompute=True)
+    return _prep._config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, 1.0, True, recompute=True,
+                         gk_in=gk_in)
 
 
-def _outputs(q, v):
-    """gk (fp32), then w, u, qg, kg in q's dtype: fresh."""
+def _outputs(q, v, gk=None):
+    """gk (fp32; the given one as it is), then w, u, qg, kg in q's dtype: fresh."""
     B, T, HV, V = v.shape
     K = q.shape[3]
-    return (alloc((B, T, HV, K), torch.float32, q), alloc((B, T, HV, K), q.dtype, q),
+    return (alloc((B, T, HV, K), torch.float32, q) if gk is None else gk, alloc((B, T, HV, K), q.dtype, q),
             alloc((B, T, HV, V), q.dtype, q), alloc((B, T, HV, K), q.dtype, q),
             alloc((B, T, HV, K), q.dtype, q))
 
@@ -86,27 +104,29 @@ def _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs):
     return _prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, (gk, w, u, qg, kg, Akk, Akk))
 
 
-def compile_for(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, keep_ptx=False):
+def compile_for(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, keep_ptx=False,
+                gk=None):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
-    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel)
-    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, _outputs(q, v))
+    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, gk is not None)
+    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, _outputs(q, v, gk))
     return _warp.compile_only(lambda views, stream, opts: _prep._build(views, stream, cfg, opts), args,
                               keep_ptx)
 
 
-def bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT):
+def bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT, gk=None):
     """fla's gate cumsum + recompute_w_u (chunk 64) in one kernel -> (gk, w, u, qg, kg), fresh
-    outputs. Raises ValueError on a call the kernel cannot compute."""
-    reason = _hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size)
+    outputs (gk: the given one, where given). Raises ValueError on a call the kernel cannot compute."""
+    reason = is_supported(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size,
+                          gk)
     if reason is not None:
         raise ValueError(f"kda_cute.bwd_prep.bwd_prep: unsupported call: {reason}")
-    return launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size)
+    return launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size, gk)
 
 
-def launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT):
+def launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT, gk=None):
     """`bwd_prep` without its checks: for a caller whose `is_supported` just said None."""
-    outs = _outputs(q, v)
-    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel)
+    outs = _outputs(q, v, gk)
+    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, gk is not None)
     args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _prep._build(views, stream, cfg, opts))
     return outs

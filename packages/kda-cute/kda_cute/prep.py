@@ -124,8 +124,11 @@ class KdaPrep:
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_qg: bool,
                  gate: str, has_bias: bool, lower_bound: float, recompute: bool = False,
-                 l2norm: bool = False):
+                 l2norm: bool = False, gk_in: bool = False):
         self.recompute = recompute  # kda_cute_bwd_prep: Akk read, not solved (module kda_cute.bwd_prep)
+        # bwd_prep with the forward's gk given (no gate in the op: fla keeps gk then): gk read into
+        # the g tile by cp.async with q, k; no gate, no cumsum, no gk written
+        self.gk_in = gk_in and recompute
         self.l2norm = l2norm and not recompute  # q, k read raw and L2-normalized in phase 0 (fwd only)
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
@@ -579,13 +582,17 @@ def _build_kernel_class():
 
             # ---------------- phase 0: cp.async q, k (16 bytes per thread per copy); under them
             # the gate and its chunk-local cumsum (fla's gate_chunk_cumsum) into sG and out as gk
-            cp_io, _ = _warp.cp_async_copies(io, THREADS)
+            cp_io, cp_f32 = _warp.cp_async_copies(io, THREADS)
             tio = cp_io.get_slice(tidx)
             tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
             cute.copy(cp_io, tio.partition_S(gQ), tio.partition_D(sQ))
             cute.copy(cp_io, tio.partition_S(gK), tio.partition_D(sK))
             if cutlass.const_expr(self.recompute):  # Akk is given: straight into the A operand's tile
                 cute.copy(cp_io, tio.partition_S(gAkk), tio.partition_D(sAb))
+            if cutlass.const_expr(self.gk_in):  # the forward's gk: the g tile as it is
+                tgk = cp_f32.get_slice(tidx)
+                gGk = cute.local_tile(mGk[b, None, hv, None], (BT, K), (t_idx, 0))
+                cute.copy(cp_f32, tgk.partition_S(gGk), tgk.partition_D(sG))
             cute.arch.cp_async_commit_group()
             groups = []  # the V ring's cp.async groups in issue order (counted at trace time)
             if cutlass.const_expr(self.recompute):
@@ -595,11 +602,13 @@ def _build_kernel_class():
                     groups.append(iv)
             if tidx < BT:
                 sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
-            grun = cute.make_rmem_tensor(cute.make_layout((RG, 4), stride=(4, 1)), f32)
-            self._gate_rows(mG, mAlog, mBias, sTot4, grun, b, hv, row0, tidx)
-            cute.arch.cp_async_wait_group(len(groups))  # q, k (and Akk); not the V tiles
+            if cutlass.const_expr(not self.gk_in):
+                grun = cute.make_rmem_tensor(cute.make_layout((RG, 4), stride=(4, 1)), f32)
+                self._gate_rows(mG, mAlog, mBias, sTot4, grun, b, hv, row0, tidx)
+            cute.arch.cp_async_wait_group(len(groups))  # q, k (and Akk, gk); not the V tiles
             cute.arch.sync_threads()
-            self._gate_join(sG4, sTot4, grun, mGk, b, hv, row0, tidx)
+            if cutlass.const_expr(not self.gk_in):
+                self._gate_join(sG4, sTot4, grun, mGk, b, hv, row0, tidx)
             if cutlass.const_expr(self.l2norm):  # q, k normalized in place (before any reader: the barrier)
                 writer = hv % self.gsize == 0  # one CTA of a GVA group writes q, k and the rstds
                 self._l2norm_rows(sQ, mQn, mQr, b, h, row0, wid, lane, writer)
@@ -828,17 +837,18 @@ class PrepConfig:
     arch: str
     recompute: bool = False  # kda_cute_bwd_prep (kda_cute.bwd_prep)
     l2norm: bool = False  # q, k given raw: L2-normalized in the kernel, written out with their rstds (fwd)
+    gk_in: bool = False  # bwd_prep: the forward's gk read (no gate in the op), not recomputed
 
 
 _new_config = interned(PrepConfig)
 
 
 def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm=False,
-            recompute=False) -> PrepConfig:
+            recompute=False, gk_in=False) -> PrepConfig:
     gate = _warp.gate_form(use_gate_in_kernel, lower_bound)
     return _new_config(DT[q.dtype], DT[beta.dtype], DT[g.dtype], q.shape[3], v.shape[3], q.shape[2],
                        v.shape[2], float(scale), bool(want_qg), gate, gate != "none" and dt_bias is not None,
-                       float(lower_bound or 0.0), compile_arch(), bool(recompute), bool(l2norm))
+                       float(lower_bound or 0.0), compile_arch(), bool(recompute), bool(l2norm), bool(gk_in))
 
 
 def _outputs(q, v, want_qg, l2norm=False):
@@ -884,7 +894,7 @@ def _build(views, stream, cfg: PrepConfig, options: str = ""):
 
     kern = _kernel_class()(
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
-        cfg.want_qg, cfg.gate, cfg.has_bias, cfg.lower_bound, cfg.recompute, cfg.l2norm,
+        cfg.want_qg, cfg.gate, cfg.has_bias, cfg.lower_bound, cfg.recompute, cfg.l2norm, cfg.gk_in,
     )
     return cute.compile(kern, *views, stream, options=options)
 

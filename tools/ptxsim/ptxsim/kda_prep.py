@@ -71,18 +71,23 @@ def prep_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dt
     return [q, k, v, g, beta, A_log, dt_bias, gmin if gate == "lower_bound" else None, True]
 
 
-def emulate_bwd_prep(text, args, Akk, ctas=None):
+def emulate_bwd_prep(text, args, Akk, ctas=None, gk=None):
     """Run kda_cute_bwd_prep's PTX (kda_cute.bwd_prep) on CPU for `args` (`prep_inputs`' list) and
-    the saved `Akk`: (gk, w, u, qg, kg), NaN-poisoned first; `ctas` as for `emulate_prep`."""
+    the saved `Akk`: (gk, w, u, qg, kg), NaN-poisoned first; `ctas` as for `emulate_prep`. `gk`: the
+    forward's, for the build that reads it (a copy goes in; it must come back unchanged)."""
     from kda_cute import bwd_prep
 
     q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
     outs = bwd_prep._outputs(q, v)
     ctas = _poisoned_grid(outs, v, ctas)
-    cfg = bwd_prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in)
+    if gk is not None:
+        outs = (gk.clone(), *outs[1:])
+    cfg = bwd_prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in, gk is not None)
     tensors = list(bwd_prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs))
     tensors[11] = torch.full_like(Akk, float("nan"))  # the Aqk stand-in: must stay untouched
     got = run_grid(wy_program(text), tensors, ctas, WyCTA, bwd_prep.THREADS)
     assert torch.isnan(got[11]).all(), "kda_cute_bwd_prep wrote its Aqk stand-in"
+    if gk is not None:
+        assert torch.equal(got[13].view(torch.int32), gk.view(torch.int32)), "the given gk was written"
     w, u, qg, kg = got[7:11]
     return got[13], w, u, qg, kg

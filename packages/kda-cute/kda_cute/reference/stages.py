@@ -365,11 +365,14 @@ def bwd_prep(
     lower_bound: float | None,
     use_gate_in_kernel: bool,
     chunk_size: int = 64,
+    gk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The backward's recompute of the forward's chunk factors from the saved Akk: gate_chunk_cumsum
     then recompute_w_u (kda_cute_bwd_prep does both in one kernel). g is the raw gate, as for
-    fwd_prep. Returns gk, w, u, qg, kg."""
-    gk = gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
+    fwd_prep; gk, where given (the forward's: no gate in the op), is taken as is. Returns gk, w, u,
+    qg, kg."""
+    if gk is None:
+        gk = gate_chunk_cumsum(g, A_log, dt_bias, lower_bound, chunk_size, use_gate_in_kernel)
     return (gk, *recompute_w_u(q, k, v, beta, Akk, gk))
 
 
