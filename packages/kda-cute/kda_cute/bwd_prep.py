@@ -23,11 +23,12 @@ Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, gate in the o
     write   gk 1.074 GB, w, qg, kg 1.611, u 1.074                              3.76 GB
     total   6.72 GB: 1.68 ms at 4.0 TB/s (fla's gate cumsum + recompute_w_u: 0.42 + 1.80 ms)
 
-Today (H200, 2026-12-02, bench/check_stage.py --stage bwd_prep): 2.371 ms vs fla's 2.117 at the
-reference shape (0.89x, 2.8 TB/s; the vector gate loads of phase 0 changed it by 0.4%: neither
-the gate nor v's loads bound it, docs/perf/prep.md), 1.848 vs 1.815 at B16 T8192 H16 K=V=128
-(0.98x), 0.145 vs 0.197 at B2 T4096 (1.36x); every output's error vs float64 at or below fla's,
-bitwise repeatable.
+Today (H200, 2026-12-03, commit fecee71, bench/check_stage.py --stage bwd_prep, the chain's flags):
+2.352 ms vs fla's 2.116 at the reference shape (0.90x, 2.9 TB/s: phase 0 waits on its loads,
+docs/perf/prep.md), 1.829 vs 1.815 at B16 T8192 H16 K=V=128 (0.99x), 0.150 vs 0.193 at B2 T4096
+(1.29x); with the forward's gk given (fp32 log gate, no gate in the op, K=V=128): 1.716 ms against
+1.892 recomputing it, fla's recompute_w_u alone 1.394 (faster: its kernel runs nearer the
+bandwidth). Every output's error vs float64 at or below fla's, bitwise repeatable.
 
 With the forward's gk given (`gk=`: no gate in the op, where fla keeps gk for the backward too and
 the chain does the same) phase 0 reads it into the g tile by cp.async with q, k and Akk: no gate,
