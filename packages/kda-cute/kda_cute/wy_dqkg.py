@@ -45,9 +45,11 @@ group) runs on them in the same CTA, writing the final dq, dk, db and folded dg.
 operands; two extra barriers where a tile takes a dead one's place) plus q, k in the walk's
 padded rows and gk: ~219 KB. With l2norm / the gate (kda_cute.bwd_chunk's docstring) the walk
 leaves dq, dk / dg in their smem tiles and row passes (`_l2norm_rows`, `_gate_rows`: a warp per 4
-rows, a lane per 4 columns) finish them after one more barrier; the gate's per-warp partials take
-the dead dAqk tile (R_AQ: 8.3 KB of its 17 KB). The fused class (`_Fused`) takes five more tensors
-(the gate's); the standalone kernel's PTX is unchanged. With that kernel in the chain,
+rows, a lane per 4 columns) finish them after one more barrier (their global operands, the rstds
+and the raw gate, pulled into L2 before the walk and loaded at once before that barrier:
+`_row_prefetch`, `_row_loads`); the gate's per-warp partials take the dead dAqk tile (R_AQ: 8.3 KB
+of its 17 KB). The fused class (`_Fused`) takes five more tensors (the gate's); the standalone
+kernel's PTX is unchanged. With that kernel in the chain,
 kda_cute_wy_dqkg itself runs only in bwd_chunk's "split" fallback.
 
 Layouts: global as fla (q, k [B, T, H, K]; v-like [B, T, HV, V]; gk and the K outputs [B, T, HV,
