@@ -214,23 +214,31 @@ def _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_
             B = chunks.shape[0] - 1
             q, k, v, g, beta = (t.expand(B, *t.shape[1:]) for t in (q, k, v, g, beta))
         return EmptyKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    flags = Flags(scale=float(scale), chunk_size=chunk_size, output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                  lower_bound=lower_bound, disable_recompute=bool(disable_recompute))
+    flags = _flags(q, scale, output_final_state, chunk_size, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                   use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     return op.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, flags, chunks)
 
 
+def _flags(q, scale, output_final_state, chunk_size, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+           use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute=False) -> Flags:
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return Flags(scale=float(scale), chunk_size=chunk_size, output_final_state=output_final_state,
+                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 lower_bound=lower_bound, disable_recompute=bool(disable_recompute))
+
+
 def _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initial_state, *args):
     """A packed call ([1, total_T, ...], offsets cu_seqlens, states [N, ...]) on the padded row of
-    `kda_chain.varlen`: inputs packed, one chain call with the chunk table, o unpacked (all
-    differentiable). The offsets are read on the host from cu_seqlens_cpu, else from cu_seqlens
-    (a host sync on a GPU, as fla's without cu_seqlens_cpu) and checked there."""
+    `kda_chain.varlen`, one chain call with the chunk table. Eager: `varlen.Native` (the CuTe prep
+    reads the packed inputs, kda_cute_bwd_chunk writes the packed gradients; only o and do are
+    gathered); traced: the inputs packed, the custom ops, o unpacked (all differentiable). The
+    offsets are read on the host from cu_seqlens_cpu, else from cu_seqlens (a host sync on a GPU,
+    as fla's without cu_seqlens_cpu) and checked there."""
     offs = [int(x) for x in (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()]
     _check(len(offs) == cu_seqlens.shape[0],
            lambda: f"cu_seqlens_cpu has {len(offs)} offsets, cu_seqlens {cu_seqlens.shape[0]}")
@@ -239,6 +247,12 @@ def _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initia
     if p.T_pad == q.shape[1]:  # every sequence whole chunks: the row is already the padded layout
         o, ht = _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args, chunks=p.chunks)
         return o[:1], ht  # (every sequence empty: _dense answered per sequence, o [N, 0, ...])
+    if op._eager(q):  # the packed row read and written in place (varlen.Native)
+        f = _flags(q, *args)
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        h0 = None if initial_state is None else initial_state.contiguous()
+        o, ht = varlen.Native.apply(q, k, v, g, beta, A_log, dt_bias, h0, f, p)
+        return o, (ht if f.output_final_state else None)
     gate, sig, lower_bound = args[4], args[5], args[7]
     packed = varlen.pack_inputs(q, k, v, g, beta, p, use_gate_in_kernel=gate, use_beta_sigmoid_in_kernel=sig,
                                 lower_bound=lower_bound)

@@ -153,11 +153,27 @@ def _chunk_parallel(wy_in: list, dh0, dAqk, s: Saved, f: Flags):
     gate_kw = {}
     if f.use_gate_in_kernel and s.A_log is not None:  # fla's gate backward of dg too, inside
         gate_kw = dict(g=s.g, A_log=s.A_log, dt_bias=s.dt_bias, lower_bound=f.lower_bound)
-    impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw)
+    p = s.packing
+    if p is not None and _folds_all(f, HV == H, gate_kw):
+        # the gradients straight onto the packed row (kda_cute_bwd_chunk through the chunk table):
+        # nothing after the kernel reads them on the padded row (l2norm_bwd and gate_bwd folded)
+        packed_kw = dict(table=p.table, T_raw=p.T)
+        impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw, **packed_kw)
+        if impl.name == "cute":
+            kw.update(packed_kw)
+        else:
+            why = f"bwd_chunk: {reason}"
+    elif p is not None:
+        why = "bwd_chunk cannot fold l2norm_bwd (GVA) or gate_bwd here"
+    if "table" not in kw:
+        impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw)
     if impl.name != "cute" and gate_kw:  # the kernel may still take the call without the gate's part
         alt = S.bwd_chunk.choose(*wy_in, **kw)
         if alt[0].name == "cute":
             (impl, reason), gate_kw = alt, {}
+    if p is not None:  # (the ranges' record: the gradients written packed, or gathered at the end)
+        with S.varlen_io("native" if "table" in kw else "gather", None if "table" in kw else why):
+            pass
     l2norm_done = gate_done = False
     dA_log = ddt_bias = None
     if impl.name == "cute":  # wy_dqkg, dAqk, intra, the dg fold (l2norm_bwd, gate_bwd) in one kernel
@@ -177,9 +193,19 @@ def _chunk_parallel(wy_in: list, dh0, dAqk, s: Saved, f: Flags):
     elif HV > H:
         dq = S.gva_sum(dq, H)
         dk = S.gva_sum(dk, H)
-    if f.use_beta_sigmoid_in_kernel:
+    if p is not None:  # a packed call: the gradients on the packed row (`varlen.to_packed`)
+        from .varlen import to_packed
+
+        dq, dk, dv, dg, db = (to_packed(x, p) for x in (dq, dk, dv, dg, db))
+    if f.use_beta_sigmoid_in_kernel:  # (beta_raw: the packed row's with a Packing)
         db = S.beta_sigmoid_bwd(s.beta_raw, db, f.beta_scale)
     return dq, dk, dv, dg, db, dA_log, ddt_bias, dh0
+
+
+def _folds_all(f: Flags, same_heads: bool, gate_kw: dict) -> bool:
+    """Does kda_cute_bwd_chunk finish every gradient here (l2norm_bwd folded: HV == H; gate_bwd
+    folded: its arguments given), so that nothing after it reads them on the padded row?"""
+    return (not f.use_qk_l2norm_in_kernel or same_heads) and (not f.use_gate_in_kernel or bool(gate_kw))
 
 
 def _wy_then_intra(wy_in: list, dAqk, s: Saved, f: Flags, emit_bf16):

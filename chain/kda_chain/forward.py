@@ -22,6 +22,14 @@ not in the kernel (the backward's bwd_prep then reads it instead of recomputing 
 cumsum, no gk written); with the gate in the kernel bwd_prep recomputes gk from g.
 With disable_recompute, as fla: also gk and w, u, qg, kg, h, v_new (`Kept`), so the backward
 skips bwd_prep and b1.
+
+A packed call given its `Packing` (kda_chain.varlen) passes the packed inputs [1, total_T, ...]
+themselves: kda_cute_prep reads them through the packing's chunk table and writes, beside its own
+outputs, their copies on the padded row (q, k, v, the raw gate with the gate in the op, the
+activated beta: what the padded-row stages and the backward read), so nothing is gathered in;
+where its CuTe kernel does not take the call the inputs are gathered onto the padded row first
+(`kda::varlen_io::gather` with the reason) and the chain runs as for a padded call. o comes out
+on the padded row either way.
 """
 
 from __future__ import annotations
@@ -83,36 +91,83 @@ class Saved:
     kept: Kept | None = None
     chunks: torch.Tensor | None = None  # a packed call's chunk table (kda_chain.varlen), for the scans
     plan: tuple | None = None  # the forward's plan key (`stages.planned`), where this call kept it
+    # a packed call given its Packing (module doc): every saved tensor is on the padded row but
+    # beta_raw (the packed row's); the backward writes the gradients on the packed row
+    packing: object | None = None
 
 
-def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks=None):
+def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks=None, packing=None):
     """-> o (q's dtype), ht (fp32 or None), Saved. chunks: a packed call's chunk table (the
-    inputs on kda_chain.varlen's padded row): the scans walk each sequence; states [N, ...]."""
-    with S.planned("fwd", q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, f) as key:
-        o, ht, saved = _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f, chunks)
+    inputs on kda_chain.varlen's padded row): the scans walk each sequence; states [N, ...].
+    packing: a packed call's kda_chain.varlen.Packing with the inputs on the packed row (module
+    doc; chunks is then its chunk table); o comes out on the padded row."""
+    table = None if packing is None else packing.table
+    with S.planned("fwd", q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, table, f) as key:
+        o, ht, saved = _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f, chunks, packing)
     saved.plan = key
+    saved.packing = packing
     return o, ht, saved
 
 
-def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks):
+def _padded_form(x: torch.Tensor, T_pad: int) -> torch.Tensor:
+    """A [1, T_pad, ...] stand-in of x's dtype and device (a stride-0 view of its first row), for
+    the questions asked of the padded row's shapes before it exists (`cute_planned`)."""
+    return x[:, :1].expand(1, T_pad, *x.shape[2:])
+
+
+def _native_prep(q, k, prep_in, f: Flags, packing):
+    """kda_cute_prep on the packed inputs through the chunk table -> ((gk, w, u, qg, kg, Aqk, Akk,
+    q, k, v, g, beta on the padded row, q_rstd, k_rstd), None), or (None, the reason) where the
+    kernel does not take the call (the caller gathers the inputs then)."""
+    l2 = f.use_qk_l2norm_in_kernel
+    impl, reason = S.fwd_prep.choose(q, k, *prep_in, l2norm=l2, table=packing.table)
+    if impl.name != "cute":
+        return None, f"fwd_prep: {reason}"
+    with S.varlen_io("native", None):
+        pass
+    out = S.fwd_prep.run(impl, reason, q, k, *prep_in, l2norm=l2, table=packing.table)
+    rstd = out[9:11] if l2 else (None, None)
+    return (*out[:7], *out[-5:], *rstd), None
+
+
+def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks, packing=None):
     q_rstd = k_rstd = None
     beta_raw = beta
     if f.use_beta_sigmoid_in_kernel:
         beta = S.beta_sigmoid_fwd(beta_raw, f.beta_scale)
-    want_qg = f.disable_recompute or S.cute_planned("fwd", q, v, initial_state, chunks)  # (q's shape only)
-    prep_in = (v, g, beta, A_log, dt_bias, f.lower_bound, f.use_gate_in_kernel, f.scale, f.chunk_size,
-               want_qg)
-    if f.use_qk_l2norm_in_kernel:
-        impl, reason = S.fwd_prep.choose(q, k, *prep_in, l2norm=True)
-        if impl.name == "cute":  # the L2 norm inside kda_cute_prep: no l2norm_fwd launches
-            gk, w, u, qg, kg, Aqk, Akk, q, k, q_rstd, k_rstd = S.fwd_prep.run(impl, reason, q, k, *prep_in,
-                                                                             l2norm=True)
-        else:
-            q, q_rstd = S.l2norm_fwd(q)
-            k, k_rstd = S.l2norm_fwd(k)
-            gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep.run(impl, reason, q, k, *prep_in)
+    qs, vs = (q, v) if packing is None else (_padded_form(q, packing.T_pad), _padded_form(v, packing.T_pad))
+    want_qg = f.disable_recompute or S.cute_planned("fwd", qs, vs, initial_state, chunks)  # (q's shape only)
+
+    def prep_in(v, g, beta):
+        return (v, g, beta, A_log, dt_bias, f.lower_bound, f.use_gate_in_kernel, f.scale, f.chunk_size,
+                want_qg)
+
+    native = why = None
+    if packing is not None:
+        native, why = _native_prep(q, k, prep_in(v, g, beta), f, packing)
+    if native is not None:
+        gk, w, u, qg, kg, Aqk, Akk, q, k, v, g, beta, q_rstd, k_rstd = native
+        if g is None:  # no gate in the op: the backward reads gk, never g (a padded-row stand-in)
+            g = gk
     else:
-        gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep(q, k, *prep_in)
+        if packing is not None:  # the CuTe prep passed the call over: the inputs onto the padded row
+            from .varlen import pad_inputs
+
+            with S.varlen_io("gather", why):
+                q, k, v, g, beta = pad_inputs(q, k, v, g, beta, packing, lower_bound=f.lower_bound,
+                                              use_gate_in_kernel=f.use_gate_in_kernel)
+        pin = prep_in(v, g, beta)
+        if f.use_qk_l2norm_in_kernel:
+            impl, reason = S.fwd_prep.choose(q, k, *pin, l2norm=True)
+            if impl.name == "cute":  # the L2 norm inside kda_cute_prep: no l2norm_fwd launches
+                gk, w, u, qg, kg, Aqk, Akk, q, k, q_rstd, k_rstd = S.fwd_prep.run(impl, reason, q, k, *pin,
+                                                                                 l2norm=True)
+            else:
+                q, q_rstd = S.l2norm_fwd(q)
+                k, k_rstd = S.l2norm_fwd(k)
+                gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep.run(impl, reason, q, k, *pin)
+        else:
+            gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep(q, k, *pin)
     o, ht = S.fwd(q, qg, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale, chunks=chunks)
     kept = None
     if f.disable_recompute:  # the states for the backward: fwd keeps none (b1: 1.4 ms at the ref shape)

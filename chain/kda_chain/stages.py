@@ -405,6 +405,21 @@ class Stage:
             yield
 
 
+@contextlib.contextmanager
+def varlen_io(impl: str, reason: str | None):
+    """A packed call's rows: "native" where the CuTe kernels read the packed inputs and write the
+    packed gradients through the chunk table, "gather" (with the reason) where the block copies
+    them to or from the padded row. Recorded like a stage (`varlen_io`), the block in its range."""
+    dispatch_log().append(Choice("varlen_io", impl, reason))
+    if reason is not None:
+        log_once(f"kda_chain: packed rows by {impl}: {reason}", logger=log)
+    if not _profiler_enabled():
+        yield
+        return
+    with stage_range("varlen_io", impl, reason):
+        yield
+
+
 # ---------------------------------------------------------------------------------------------
 # fla adapters: our contract names -> fla 0.6.0's functions (imported lazily: fla pulls triton)
 

@@ -41,10 +41,16 @@ class Packing:
     pad: torch.Tensor
     chunks: torch.Tensor
     T_pad: int
+    table: torch.Tensor | None = None  # int32 [T_pad / 64, 2]: each chunk's first token, its valid rows
 
     @property
     def N(self) -> int:
         return self.chunks.numel() - 1
+
+    @property
+    def T(self) -> int:
+        """The packed row's length (total_T)."""
+        return self.index.numel()
 
 
 def _runs(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
@@ -69,7 +75,18 @@ def packing(cu_seqlens: torch.Tensor, offsets: list[int]) -> Packing:
     source = torch.zeros(T_pad, dtype=torch.int64, device=dev)
     source[index] = torch.arange(T, device=dev)
     pad = _runs(starts + lens, chunks[1:] * BT - starts - lens, T_pad - T)
-    return Packing(index, source, pad, chunks, T_pad)
+    return Packing(index, source, pad, chunks, T_pad, _table(source, pad, T_pad))
+
+
+def _table(source: torch.Tensor, pad: torch.Tensor, T_pad: int) -> torch.Tensor:
+    """The kernels' chunk table: int32 [T_pad / 64, 2], per chunk of the padded row the packed
+    row's token of its first row (every chunk starts with a valid one) and its number of valid rows
+    (1..64; the pad rows follow them). kda_cute_prep reads the packed inputs through it,
+    kda_cute_bwd_chunk writes the packed gradients through it."""
+    valid = torch.ones(T_pad, dtype=torch.int32, device=source.device)
+    valid.index_fill_(0, pad, 0)
+    first = source.view(-1, BT)[:, 0].to(torch.int32)
+    return torch.stack([first, valid.view(-1, BT).sum(1, dtype=torch.int32)], 1).contiguous()
 
 
 def _gather(x: torch.Tensor, rows: torch.Tensor, pad=None, fill: float = 0.0) -> torch.Tensor:
@@ -121,18 +138,98 @@ def unpack(y: torch.Tensor, p: Packing) -> torch.Tensor:
     return _Unpack.apply(y, p)
 
 
+def gate_fill(g_dtype: torch.dtype, use_gate_in_kernel: bool, lower_bound,
+              ) -> tuple[float, torch.dtype | None]:
+    """The raw gate's pad value on the padded row, and the dtype it needs there (None: g's own).
+    -1e30 overflows fp16: a raw fp16 gate pads with -inf in the softplus form (softplus(-inf) = 0,
+    its gradient 0), and goes to fp32 in the lower_bound form (whose A_log gradient would be
+    0 * -inf)."""
+    if not use_gate_in_kernel:
+        return 0.0, None
+    if g_dtype == torch.float16:
+        return (float("-inf"), None) if lower_bound is None else (GATE_PAD, torch.float32)
+    return GATE_PAD, None
+
+
 def pack_inputs(q, k, v, g, beta, p: Packing, *, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
                 lower_bound) -> tuple:
-    """q, k, v, g, beta on the padded row, each pad row a no-op token (module doc). -1e30 overflows
-    fp16: a raw fp16 gate pads with -inf in the softplus form (softplus(-inf) = 0, its gradient
-    0), and goes to fp32 in the lower_bound form (whose A_log gradient would be 0 * -inf)."""
-    g_fill, g_dtype = 0.0, None
-    if use_gate_in_kernel:
-        g_fill = GATE_PAD
-        if g.dtype == torch.float16:
-            if lower_bound is None:
-                g_fill = float("-inf")
-            else:
-                g_dtype = torch.float32
+    """q, k, v, g, beta on the padded row, each pad row a no-op token (module doc; `gate_fill`),
+    differentiable."""
+    g_fill, g_dtype = gate_fill(g.dtype, use_gate_in_kernel, lower_bound)
     b_fill = float("-inf") if use_beta_sigmoid_in_kernel else 0.0
     return (pack(q, p), pack(k, p), pack(v, p), pack(g, p, g_fill, g_dtype), pack(beta, p, b_fill))
+
+
+def pad_inputs(q, k, v, g, beta, p: Packing, *, use_gate_in_kernel: bool, lower_bound) -> tuple:
+    """`pack_inputs` without autograd, beta already activated (its pad rows 0): where the packed
+    forward's CuTe prep does not take a call (`Native`)."""
+    g_fill, g_dtype = gate_fill(g.dtype, use_gate_in_kernel, lower_bound)
+    g = g if g_dtype is None else g.to(g_dtype)
+    return (_gather(q, p.source, p.pad), _gather(k, p.source, p.pad), _gather(v, p.source, p.pad),
+            _gather(g, p.source, p.pad, g_fill), _gather(beta, p.source, p.pad))
+
+
+def to_packed(x: torch.Tensor | None, p: Packing) -> torch.Tensor | None:
+    """A gradient on the packed row: x itself when it is there already (kda_cute_bwd_chunk wrote
+    it through the chunk table), else gathered from the padded row."""
+    if x is None or x.shape[1] == p.T:
+        return x
+    return _gather(x, p.index)
+
+
+class Native(torch.autograd.Function):
+    """A packed call whose inputs the chain reads on the packed row itself (forward.py's module
+    doc: kda_cute_prep through the chunk table) and whose gradients kda_cute_bwd_chunk writes there
+    (backward.py): only o (out) and do (in) are gathered. Eager calls only (api.py); a traced call
+    goes through the custom ops on `pack_inputs`' row."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, f, p: Packing):
+        from .autograd import device_guard
+        from .forward import forward
+
+        with device_guard(q):
+            o, ht, s = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f, chunks=p.chunks, packing=p)
+        names = [n for n, t in vars(s).items() if isinstance(t, torch.Tensor)]
+        kept = () if s.kept is None else tuple(vars(s.kept).items())
+        ctx.save_for_backward(*(getattr(s, n) for n in names), *(t for _, t in kept))
+        ctx.names, ctx.kept_names = names, [n for n, _ in kept]
+        s.kept = None
+        for n in names:
+            setattr(s, n, None)
+        ctx.shell, ctx.f, ctx.p = s, f, p
+        ctx.o_form = (o.shape, o.dtype)
+        ins = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+        ctx.likes = [None if t is None else t.dtype for t in ins]
+        ctx.set_materialize_grads(False)
+        return _gather(o, p.index), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        import dataclasses
+
+        from .autograd import device_guard
+        from .backward import backward
+        from .forward import Kept
+
+        f, p = ctx.f, ctx.p
+        ts = ctx.saved_tensors
+        n = len(ctx.names)
+        s = dataclasses.replace(ctx.shell, **dict(zip(ctx.names, ts[:n], strict=True)))
+        if ctx.kept_names:
+            s.kept = Kept(**dict(zip(ctx.kept_names, ts[n:], strict=True)))
+        if do is None:  # o unused by the loss (only ht is)
+            do = torch.zeros(ctx.o_form[0], dtype=ctx.o_form[1], device=s.Aqk.device)
+        else:
+            do = _gather(do.contiguous(), p.source, p.pad)
+        dht = None if not f.output_final_state or dht is None else dht.contiguous()
+        with device_guard(do):
+            grads = backward(do, dht, s, f)
+        out = []
+        for i, (gr, dt) in enumerate(zip(grads, ctx.likes, strict=True)):
+            if gr is None or dt is None or (i in (5, 6) and not f.use_gate_in_kernel):
+                out.append(None)
+                continue
+            gr = to_packed(gr, p) if i < 5 else gr
+            out.append(gr if gr.dtype == dt and gr.is_contiguous() else gr.to(dt).contiguous())
+        return (*out, None, None)

@@ -17,9 +17,14 @@ import os
 import pytest
 import torch
 
-CASES = {  # (H, HV, V, lengths): fla has autotuned these (H, HV, V) in the chain tests
-    "gva_v128": (8, 16, 128, [1, 63, 64, 65, 700, 2048, 7, 130]),
-    "v256": (16, 16, 256, [2048, 1, 1000, 64, 65, 333]),
+# 16 lengths from 1..8192 (seeded), with 1, 63, 64 and 65 among them
+_SIXTEEN = [1, 63, 64, 65, *torch.randint(
+    1, 8193, (12,), generator=torch.Generator().manual_seed(7)).tolist()]
+CASES = {  # (H, HV, V, lengths, initial states): fla has autotuned these (H, HV, V) in the chain tests
+    "gva_v128": (8, 16, 128, [1, 63, 64, 65, 700, 2048, 7, 130], True),
+    "v256": (16, 16, 256, [2048, 1, 1000, 64, 65, 333], True),
+    "sixteen_v256": (16, 16, 256, _SIXTEEN, True),
+    "sixteen_gva_no_h0": (8, 16, 128, _SIXTEEN, False),
 }
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
              output_final_state=True)
@@ -27,7 +32,7 @@ CUTE = ("fwd_prep", "fwd", "b1", "dhu", "bwd_chunk")
 _results: dict = {}
 
 
-def _make(H, HV, V, lens, K=128, dtype=torch.bfloat16, seed=0):
+def _make(H, HV, V, lens, K=128, dtype=torch.bfloat16, seed=0, h0=True):
     g = torch.Generator(device="cuda").manual_seed(seed)
     T, N = sum(lens), len(lens)
 
@@ -39,6 +44,8 @@ def _make(H, HV, V, lens, K=128, dtype=torch.bfloat16, seed=0):
              dt_bias=r(HV * K, dt=torch.float32, scale=0.1), initial_state=r(N, HV, K, V, dt=torch.float32,
                                                                                 scale=0.1))
     offs = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    if not h0:
+        del x["initial_state"]
     cot = dict(do=r(1, T, HV, V), dht=r(N, HV, K, V, dt=torch.float32))
     return x, cot, offs
 
@@ -54,7 +61,8 @@ def _run(fn, x, cot, offs, dtype=None):
 def _packed(chunk_kda):
     def call(x, offs):
         return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                         initial_state=x["initial_state"], cu_seqlens=offs.cuda(), cu_seqlens_cpu=offs.long(),
+                         initial_state=x.get("initial_state"), cu_seqlens=offs.cuda(),
+                         cu_seqlens_cpu=offs.long(),
                          **FLAGS)
     return call
 
@@ -67,7 +75,11 @@ def _oracle(x, offs):
     o_ = offs.tolist()
     for n in range(len(o_) - 1):
         a, b = o_[n], o_[n + 1]
-        h0 = x["initial_state"][n:n + 1]
+        h0 = x["initial_state"][n:n + 1] if "initial_state" in x else None
+        if a == b and h0 is None:
+            hts.append(x["v"].new_zeros(1, x["v"].shape[2], x["q"].shape[-1], x["v"].shape[-1]))
+            outs.append(x["v"][:, :0])
+            continue
         if a == b:
             outs.append(x["v"][:, :0])
             hts.append(h0 * 1)
@@ -104,11 +116,14 @@ def test_varlen_within_2x_of_fla_error(case):
     from fla.ops.kda import chunk_kda as fla_kda
     from kda_chain import chunk_kda, dispatch_log, reset_dispatch_log
 
-    H, HV, V, lens = CASES[case]
-    x, cot, offs = _make(H, HV, V, lens)
+    H, HV, V, lens, h0 = CASES[case]
+    x, cot, offs = _make(H, HV, V, lens, h0=h0)
     reset_dispatch_log()
     ours = _run(_packed(chunk_kda), x, cot, offs)
-    stages = {c.stage: (c.impl, c.reason) for c in dispatch_log()}
+    log = dispatch_log()
+    stages = {c.stage: (c.impl, c.reason) for c in log}
+    rows_io = [(c.impl, c.reason) for c in log if c.stage == "varlen_io"]
+    assert rows_io == [("native", None)] * 2, f"packed rows gathered: {rows_io}"
     fla = _run(_packed(fla_kda), x, cot, offs)
     ref = _run(_oracle, x, cot, offs, dtype=torch.float64)
     rows = _errors(ours, ref, fla)

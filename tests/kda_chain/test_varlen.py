@@ -182,3 +182,72 @@ def test_all_sequences_empty():
     dht = torch.randn_like(ht)
     (dh0,) = torch.autograd.grad((ht * dht).sum(), [x["h0"]])
     assert torch.equal(dh0, dht)
+
+
+def test_the_chunk_table_maps_each_chunk_to_its_first_token_and_valid_rows():
+    from kda_chain import varlen
+
+    lens = [1, 63, 64, 65, 0, 130, 7]
+    offs = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    p = varlen.packing(torch.tensor(offs, dtype=torch.int32), offs)
+    want = []
+    for n, L in enumerate(lens):
+        for c in range(0, L, 64):
+            want.append([offs[n] + c, min(64, L - c)])
+    assert p.table.dtype == torch.int32 and p.table.is_contiguous()
+    assert p.table.tolist() == want
+    assert p.T == sum(lens) and p.T_pad == 64 * len(want)
+
+
+@pytest.mark.parametrize("gva", [False, True])
+def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva):
+    """On the chain's CuTe path (kernels stubbed: kda_chain.testing.stub_device), an eager packed
+    call hands kda_cute_prep the packed inputs with the chunk table and kda_cute_bwd_chunk the
+    table for the packed gradients: only o and do are gathered (two row gathers, none of the
+    inputs or gradients), the record says `varlen_io native` for both directions, and every
+    gradient comes out on the packed row in its input's form. With GVA and the L2 norm in the op
+    (l2norm_bwd not folded into bwd_chunk) the gradients are gathered back, with that reason."""
+    pytest.importorskip("cutlass.cute")
+    from kda_chain import stages as S
+    from kda_chain import varlen
+    from kda_chain.testing import stub_device
+
+    stub_device(monkeypatch.setattr)
+    S.clear_gate_cache()
+    gathers, tables = [], []
+    real = varlen._gather
+    monkeypatch.setattr(varlen, "_gather",
+                        lambda x, *a, **k: gathers.append(tuple(x.shape)) or real(x, *a, **k))
+    for name in ("prep", "bwd_chunk"):
+        mod = __import__(f"kda_cute.{name}", fromlist=["launch"])
+        launch = mod.launch_raw if name == "bwd_chunk" else mod.launch
+        monkeypatch.setattr(mod, launch.__name__, lambda *a, _f=launch, _n=name, **k:
+                            tables.append((_n, k.get("table") is not None)) or _f(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+    lens = [1, 63, 64, 65, 200]
+    H, HV, K, V = 16, (32 if gva else 16), 128, 128
+    T = sum(lens)
+
+    def r(*s, dt=torch.bfloat16):
+        return torch.randn(*s, generator=gen).to(dt).requires_grad_(True)
+
+    x = [r(1, T, H, K), r(1, T, H, K), r(1, T, HV, V), r(1, T, HV, K), r(1, T, HV)]
+    A_log, dt_bias = r(HV, dt=torch.float32), r(HV * K, dt=torch.float32)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    reset_dispatch_log()
+    o, ht = chunk_kda(*x, cu_seqlens=cu, cu_seqlens_cpu=cu, A_log=A_log, dt_bias=dt_bias,
+                      output_final_state=True, **FLAGS)
+    (o.float().sum() + ht.sum()).backward()
+    io = [(c.impl, c.reason) for c in dispatch_log() if c.stage == "varlen_io"]
+    assert o.shape == (1, T, HV, V) and ht.shape == (len(lens), HV, K, V)
+    for t in x:
+        assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
+    assert A_log.grad.shape == A_log.shape and dt_bias.grad.shape == dt_bias.shape
+    T_pad = 64 * sum(-(-n // 64) for n in lens)
+    if not gva:
+        assert io == [("native", None), ("native", None)], io
+        assert tables == [("prep", True), ("bwd_chunk", True)], tables
+        assert gathers == [(1, T_pad, HV, V), (1, T, HV, V)], "only o out and do in are gathered"
+    else:
+        assert io[0] == ("native", None) and io[1][0] == "gather" and "l2norm_bwd" in io[1][1], io
+        assert tables == [("prep", True), ("bwd_chunk", False)], tables

@@ -11,6 +11,11 @@ views of dq / dk / dg in (gmem or smem) and out (gmem, or dq / dk in place of th
 inputs) at its column d = tidx % K, each out in its own dtype, db in and out as [64] views. The
 kernel class supplies K, io_dtype, fold_dg, pf and the thread map
 (ngrp groups of K threads, bpg 16-row blocks each, wpg warps per group).
+
+`nv` (kda_cute_bwd_chunk's varlen build: the chunk's valid rows, dynamic): the outs in global
+memory (db among them) are written, and the fold's fix-up re-reads them, only at rows < nv (the
+caller's views start at the chunk's first packed row; the rows past nv belong to another chunk's
+sequence or lie past the tensor's end). An out in smem is written at every row as without it.
 """
 
 import functools
@@ -86,10 +91,11 @@ def _build_walk_class():
 
         @cute.jit
         def intra_walk(self, tidx, sQ, sK, sG, sAq, sAk, sBeta, sDbp, sStage, cDqi, cDki, cDgi, cDq, cDk,
-                       cDg, gDbi, gDb, RS: cutlass.Constexpr):
+                       cDg, gDbi, gDb, RS: cutlass.Constexpr, nv=None):
             """One CTA's walk over its chunk once the smem operands are in place (behind a barrier).
             RS: the row stride of the incoming column views in global memory (their rows are pulled
-            into L2 ahead of the walk), or 0 when they live in smem."""
+            into L2 ahead of the walk), or 0 when they live in smem. nv: the valid rows of a varlen
+            chunk (module docstring), or None: every row."""
             K = self.K
             io = self.io_dtype
             QS, GS, AS = self.qs, self.gs, self.as_
@@ -113,6 +119,9 @@ def _build_walk_class():
                 sQ4 = cute.make_tensor(sQ.iterator, l4)
                 sK4 = cute.make_tensor(sK.iterator, l4)
             sTot = cute.make_tensor(sStage.iterator, cute.make_layout((self.ngrp, K), stride=(K, 1)))
+            # varlen: which outs are stored only at rows < nv (those not in smem)
+            pq, pk, pg, pb = (nv is not None and t.memspace != cute.AddressSpace.smem
+                              for t in (cDq, cDk, cDg, gDb))
 
             grp = tidx // K  # warp-uniform
             d = tidx % K
@@ -259,11 +268,22 @@ def _build_walk_class():
                     dkt_r = dkt[r]
                     dk_o = dk2 + dkt_r + dki
                     dg_o = qr * a_q + (dk2 - dkt_r) * ks[r] + dgi
-                    cDq[row] = dq_o.to(cDq.element_type)  # (io with emit_bf16, fp32 in smem or not)
-                    cDk[row] = dk_o.to(cDk.element_type)
+                    if cutlass.const_expr(pq):
+                        if row < nv:
+                            cDq[row] = dq_o.to(cDq.element_type)
+                    else:
+                        cDq[row] = dq_o.to(cDq.element_type)  # (io with emit_bf16, fp32 in smem or not)
+                    if cutlass.const_expr(pk):
+                        if row < nv:
+                            cDk[row] = dk_o.to(cDk.element_type)
+                    else:
+                        cDk[row] = dk_o.to(cDk.element_type)
                     if cutlass.const_expr(self.fold_dg):
                         run = run + dg_o
-                        cDg[row] = run  # final in the last group; the others add `add` below
+                        dg_o = run  # final in the last group; the others add `add` below
+                    if cutlass.const_expr(pg):
+                        if row < nv:
+                            cDg[row] = dg_o
                     else:
                         cDg[row] = dg_o
                     v = a_k * ks[r]
@@ -289,7 +309,11 @@ def _build_walk_class():
                 fix = cute.make_rmem_tensor(cute.make_layout(nfix), f32)
                 if grp < self.ngrp - 1:
                     for i in cutlass.range_constexpr(nfix):
-                        fix[i] = cDg[grp * nfix + i]
+                        if cutlass.const_expr(pg):
+                            if grp * nfix + i < nv:
+                                fix[i] = cDg[grp * nfix + i]
+                        else:
+                            fix[i] = cDg[grp * nfix + i]
             if cutlass.const_expr(self.fold_dg):
                 cute.arch.sync_threads()  # every warp is done staging before sTot overlays it
             if cutlass.const_expr(self.fold_dg):
@@ -301,12 +325,20 @@ def _build_walk_class():
                     add = add + sTot[g2, d]
                 if grp < self.ngrp - 1:
                     for i in cutlass.range_constexpr(nfix):
-                        cDg[grp * nfix + i] = fix[i] + add
+                        if cutlass.const_expr(pg):
+                            if grp * nfix + i < nv:
+                                cDg[grp * nfix + i] = fix[i] + add
+                        else:
+                            cDg[grp * nfix + i] = fix[i] + add
             if tidx < BT:
                 tot = dbi
                 for w in cutlass.range_constexpr(self.wpg):
                     tot = tot + sDbp[tidx, w]
-                gDb[tidx] = tot
+                if cutlass.const_expr(pb):
+                    if tidx < nv:
+                        gDb[tidx] = tot
+                else:
+                    gDb[tidx] = tot
 
     return IntraWalk
 

@@ -24,6 +24,16 @@ factors (gk, Akk), every gradient of the chunk-parallel backward:
         through the walk's dead dAqk tile: no atomics, bitwise repeatable); the host sums them over
         (B, NT) with torch as fla sums its per-block ones (dA_log in A_log's dtype and shape,
         ddt_bias [HV * K] in dt_bias's)
+    with a chunk `table` and T_raw (varlen: packed sequences, kda_chain.varlen; B == 1): the inputs
+        on the padded row [1, T, ...] as without it (every sequence starting on a chunk, its last
+        chunk filled with pad rows; the rstds and the raw gate too), the five outputs dq, dk, dv2,
+        db, dg on the packed row [1, T_raw, ...]: table int32 [T / 64, 2], per chunk c of the
+        padded row table[c, 0] the packed row of its first row and table[c, 1] its valid rows nv
+        (1..64); its row r < nv goes to packed row table[c, 0] + r, the pad rows' gradients are
+        never stored (the rows past nv are the next sequence's, another CTA's, or past the end),
+        so the chain gathers no gradient back. The arithmetic is the padded build's: each packed
+        row bit for bit its padded row's. The gate's partials stay per padded chunk. A kernel of
+        its own (wy_dqkg's `_Varlen`): the build without a table is unchanged, PTX and all
 
 The kernel is kda_cute_wy_dqkg's class compiled with `fused=True` (kda_cute.wy_dqkg's docstring
 has its CTA decomposition: 512 threads, the V walk in 64-wide tiles on bf16 mma.sync, the
@@ -64,7 +74,9 @@ the shared intra walk, so neither part can drift from its standalone kernel.
 
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_bwd_chunk_compile.py) against
 float64 and against the two standalone kernels' PTX (the gate build: against the build without it
-followed by the gate's backward in fp32). The gate build is not timed on the H200 yet.
+followed by the gate's backward in fp32); the varlen build against the build without a table
+(tests/kda_cute/test_bwd_chunk_varlen.py: bit for bit at every packed row, nothing stored outside
+them). The gate and varlen builds are not timed on the H200 yet.
 """
 
 from __future__ import annotations
@@ -114,26 +126,54 @@ def _gate_reason(gk, g, A_log, dt_bias) -> str | None:
     return _warp.layout_reason(("g", "gk"), (g, gk))
 
 
+def _table_reason(v, table, T_raw) -> str | None:
+    """The varlen build's chunk table (int32 [T / 64, 2], contiguous, on v's device) and packed
+    length T_raw (B == 1), or why not; None without a table."""
+    if table is None:
+        return None if T_raw is None else "T_raw goes with a chunk table"
+    B, T = v.shape[0], v.shape[1]
+    if B != 1:
+        return f"a chunk table (packed sequences) needs B == 1; got B={B}"
+    if T_raw is None:
+        return "a chunk table needs T_raw (the packed row's length)"
+    if not isinstance(T_raw, int) or not 0 < T_raw <= T:
+        return f"T_raw must be an int in 1..T={T}; got {T_raw!r}"
+    if table.dtype != torch.int32:
+        return f"the chunk table must be int32; got {table.dtype}"
+    if tuple(table.shape) != (T // BT, 2):
+        return f"the chunk table must be [NT, 2] = {(T // BT, 2)}; got {tuple(table.shape)}"
+    if not table.is_contiguous():
+        return "the chunk table is not contiguous"
+    if table.device != v.device:
+        return "the chunk table is on another device than the inputs"
+    return None
+
+
 def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
-                 k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None) -> str | None:
+                 k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, table=None,
+                 T_raw=None) -> str | None:
     """None when `bwd_chunk` runs the CuTe kernel on these arguments, else the reason it would not."""
     return (_wy._hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
-            or _rstd_reason(q, v, q_rstd, k_rstd) or _gate_reason(gk, g, A_log, dt_bias))
+            or _rstd_reason(q, v, q_rstd, k_rstd) or _gate_reason(gk, g, A_log, dt_bias)
+            or _table_reason(v, table, T_raw))
 
 
 def _config(q, v, beta, scale, emit_bf16, l2norm, g=None, A_log=None, dt_bias=None,
-            lower_bound=None) -> _wy.WyDqkgConfig:
+            lower_bound=None, varlen=False) -> _wy.WyDqkgConfig:
     gate = _warp.gate_form(A_log is not None, lower_bound)
     on = gate != "none"
     return _wy._config(q, v, beta, scale, True, fused=True, emit_bf16=bool(emit_bf16), l2norm=bool(l2norm),
                        gate=gate, gate_bias=on and dt_bias is not None, lower_bound=float(lower_bound or 0.0),
-                       g_dtype=_warp.DT[g.dtype] if on else "")
+                       g_dtype=_warp.DT[g.dtype] if on else "", varlen=bool(varlen))
 
 
-def _outputs(q, v, emit_bf16, l2norm=False, g=None):
+def _outputs(q, v, emit_bf16, l2norm=False, g=None, T_raw=None):
     """dq, dk (q's dtype with emit_bf16 or l2norm, else fp32), dv2, db, dg (fp32; with the gate,
-    g being given, g's dtype: dg_raw): fresh."""
+    g being given, g's dtype: dg_raw): fresh; [1, T_raw, ...] on the packed row when T_raw is
+    given (varlen), else [B, T, ...]."""
     B, T, HV, V = v.shape
+    if T_raw is not None:
+        B, T = 1, T_raw
     K = q.shape[3]
     qk = q.dtype if emit_bf16 or l2norm else torch.float32
     return (
@@ -155,11 +195,12 @@ def _partials(v, K, dt_bias):
     return dA, dbias
 
 
-def _kernel_args(inputs, outs, q_rstd=None, k_rstd=None, gate=None):
+def _kernel_args(inputs, outs, q_rstd=None, k_rstd=None, gate=None, table=None):
     """The class's 23 tensors: the eleven inputs, dq, dk, dv2, db, dg, then q_rstd, k_rstd in the
     dAkk / dAqk slots, then the gate's g, A_log [1, HV] fp32, dt_bias [HV, K] fp32, the dA_log and
     ddt_bias partials; `gate` = (g, A_log, dt_bias, dA partials, dbias partials) or None. Where a
-    tensor is not given (no rstds, no gate, no dt_bias) dg's storage stands in: never read."""
+    tensor is not given (no rstds, no gate, no dt_bias) dg's storage stands in: never read. With
+    a chunk table (varlen) the table is a 24th (the varlen kernel's)."""
     dg = outs[4]
     if q_rstd is None:
         q_rstd = k_rstd = dg
@@ -172,7 +213,7 @@ def _kernel_args(inputs, outs, q_rstd=None, k_rstd=None, gate=None):
         if bias is None:
             bias = dbias = dg
         gt = (g, a, bias, dA, dbias)
-    return (*inputs, *outs, q_rstd, k_rstd, *gt)
+    return (*inputs, *outs, q_rstd, k_rstd, *gt, *(() if table is None else (table,)))
 
 
 def _in(t, dtype):
@@ -192,56 +233,58 @@ def _reduce(dA, dbias, A_log, dt_bias):
 
 
 def _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
-             k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None):
+             k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None):
     """(config, the five outputs, the gate's partials or None, the kernel's tensors): fresh."""
     l2 = q_rstd is not None
     on = A_log is not None
-    cfg = _config(q, v, beta, scale, emit_bf16, l2, g, A_log, dt_bias, lower_bound)
-    outs = _outputs(q, v, emit_bf16, l2, g if on else None)
+    cfg = _config(q, v, beta, scale, emit_bf16, l2, g, A_log, dt_bias, lower_bound, table is not None)
+    outs = _outputs(q, v, emit_bf16, l2, g if on else None, T_raw if table is not None else None)
     parts = _partials(v, q.shape[3], dt_bias) if on else None
     gate = (g, A_log, dt_bias, *parts) if on else None
-    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs, q_rstd, k_rstd, gate)
+    args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs, q_rstd, k_rstd, gate, table)
     return cfg, outs, parts, args
 
 
 def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
-                k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, keep_ptx=False):
+                k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, keep_ptx=False, table=None,
+                T_raw=None):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
     cfg, _, _, args = _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd,
-                               g, A_log, dt_bias, lower_bound)
+                               g, A_log, dt_bias, lower_bound, table, T_raw)
     build = lambda views, stream, opts: _wy._build(views, stream, cfg, opts)  # noqa: E731
     return _warp.compile_only(build, args, keep_ptx)
 
 
 def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None, k_rstd=None,
-              g=None, A_log=None, dt_bias=None, lower_bound=None):
+              g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None):
     """wy_dqkg (want_dAqk) then intra (fold_dg) in one kernel -> (dq, dk, dv2, db, dg, dA_log,
     ddt_bias); with q_rstd, k_rstd also l2norm_bwd of dq, dk; with A_log (and the raw gate g) also
-    fla's gate backward (dg then g's gradient, in g's dtype), else dA_log, ddt_bias None. Fresh
-    outputs."""
+    fla's gate backward (dg then g's gradient, in g's dtype), else dA_log, ddt_bias None; with a
+    chunk `table` (and T_raw) dq, dk, dv2, db, dg on the packed row [1, T_raw, ...] (the module
+    docstring's varlen). Fresh outputs."""
     reason = is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd,
-                          g, A_log, dt_bias, lower_bound)
+                          g, A_log, dt_bias, lower_bound, table, T_raw)
     if reason is not None:
         raise ValueError(f"kda_cute.bwd_chunk.bwd_chunk: unsupported call: {reason}")
     return launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd,
-                  g, A_log, dt_bias, lower_bound)
+                  g, A_log, dt_bias, lower_bound, table, T_raw)
 
 
 def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None, k_rstd=None,
-           g=None, A_log=None, dt_bias=None, lower_bound=None):
+           g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None):
     """`bwd_chunk` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
     raw = launch_raw(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd, g, A_log,
-                     dt_bias, lower_bound)
+                     dt_bias, lower_bound, table, T_raw)
     return finish(raw, A_log=A_log, dt_bias=dt_bias)
 
 
 def launch_raw(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
-               k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None):
+               k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None):
     """The kernel part of `launch` (what a recorded chain plan replays): (dq, dk, dv2, db, dg, the
     dA_log partials or None, the ddt_bias partials or None)."""
     cfg, outs, parts, args = _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd,
-                                      k_rstd, g, A_log, dt_bias, lower_bound)
+                                      k_rstd, g, A_log, dt_bias, lower_bound, table, T_raw)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _wy._build(views, stream, cfg, opts))
     return (*outs, *(parts or (None, None)))
 

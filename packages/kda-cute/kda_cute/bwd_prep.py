@@ -99,8 +99,8 @@ def _outputs(q, v, gk=None):
 
 
 def _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs):
-    """kda_cute_prep's fourteen tensors: Akk in its Akk slot (read) and in the Aqk slot (a
-    stand-in of the right shape, never written)."""
+    """kda_cute_prep's tensors (`_prep._kernel_args`): Akk in its Akk slot (read) and in the Aqk
+    slot (a stand-in of the right shape, never written)."""
     gk, w, u, qg, kg = outs
     return _prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, (gk, w, u, qg, kg, Akk, Akk))
 

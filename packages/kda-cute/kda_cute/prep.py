@@ -21,6 +21,33 @@ gk_s) per key column, gl = gk at the chunk's last row:
     w = bf16(Akk) bf16(beta k exp2(g))        u = bf16(Akk) bf16(beta v)
     kg = k exp2(gl - g)                       qg = q exp2(g)   (only with want_qg)
 
+Packed sequences (`varlen`, compiled in; a chunk table given): q, k, v, g, beta are fla's packed
+row [1, T_raw, ...] (cu_seqlens), read in place, and every output is on the chain's padded row
+[1, T_pad = 64 NT, ...] (kda_chain.varlen: each sequence starts on a chunk boundary, its last chunk
+filled with no-op pad rows), bitwise what the plain build computes on pack_inputs' padded row.
+table int32 [NT, 2]: chunk c (padded rows 64c ..) starts at raw row table[c, 0] and has nv =
+table[c, 1] valid rows (1 .. 64); padded row 64c + r < 64c + nv is raw row table[c, 0] + r, the
+rest pad rows. Grid (NT, HV, 1). The pad rows, and OOB safety:
+  - q, k, v tiles: a pad row's 16-byte pieces are never loaded (no cp.async issued: its address may
+    lie past the raw row or in the next sequence); the thread stores zeros there in smem instead,
+    before the barrier that ends the copy's wait, so every reader (the L2 norm: a zero row
+    normalizes to 0, rstd = 1 / sqrt(1e-6), as on the padded row; Aqk, L, kg, qg, k E; beta v) sees
+    the padded row's zeros. Predication, not a clamped load, because these tiles would otherwise
+    need a second pass to zero the clamped rows.
+  - g: row r loads raw row table[c, 0] + min(r, nv - 1) (a row of its own sequence: the gate's row
+    loads stay unconditional, one per row issued back to back) and a pad row's values are then
+    replaced by the chain's pad gate (`gate_pad_value`: 0 for a given log gate; -1e30 in g's
+    dtype, -inf for fp16 in the softplus form), so the step gate is the padded path's to the bit
+    (0, or -0 in the gate forms) and gk stays flat after the last valid row.
+  - beta: a pad row's is 0 (not loaded).
+The extra outputs, the inputs' padded copies the backward reads (it runs on the padded row
+unchanged), bitwise pack_inputs' tensors (with the sigmoid of beta before this stage): v_p [1,
+T_pad, HV, V] from the V ring as each tile lands (pad rows 0); beta_p [1, T_pad, HV] (0); with the
+gate in the op g_p [1, T_pad, HV, K] in g's dtype (the pad gate; none without it: the backward then
+reads gk); q_p, k_p [1, T_pad, H, K]: with l2norm the normalized q, k themselves, else copies (pad
+rows 0) from smem beside kg, by the GVA group's first CTA. An fp16 g in the lower_bound form is
+refused (its pad overflows fp16; the chain gives such g in fp32). The table's contents are trusted.
+
 CTA decomposition: one CTA per (chunk, hv, b), grid (T / 64, HV, B), 256 threads (8 warps), two
 CTAs per SM (~105 KB of smem each: one CTA's load and solve latencies hide under the other's
 arithmetic). Phases, each ended by a barrier:
@@ -66,13 +93,21 @@ Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, want_qg):
     total   6.99 GB: 1.75 ms at 4.0 TB/s
     l2norm  + write q, k normalized 1.074 GB, rstds 0.017: 8.08 GB, 2.02 ms (it replaces two
             kda_cute_l2norm_fwd launches: read q, k 1.074 + write 1.091 GB; one read of q, k saved)
+    varlen  + write v_p 1.074 GB, g_p 0.537 (gate in the op), beta_p 0.004: + 1.615 GB with l2norm
+            (q_p, k_p are its outputs), + 2.69 without (q_p, k_p 1.074 more); the reads unchanged
+            (pad rows: none). It replaces the chain's pack_inputs gathers (read and write every
+            input: 5.38 GB), so the copies cost only their writes; the pad rows' outputs (< 64 per
+            sequence) as on the padded row.
 
-Constraints: K = 128; V % 64 == 0; T % 64 == 0 (a ragged last chunk is refused); HV % H == 0;
-q, k, v one dtype (bf16 or fp16); g fp32 / bf16 / fp16; beta bf16 / fp16 / fp32; contiguous,
-16-byte aligned; no varlen; with the gate in the kernel an A_log of HV elements (dt_bias optional,
-HV * K). `scale`, `want_qg`, `l2norm`, the gate form and lower_bound are part of the compile key.
-Registers (ptxas 13.0, -arch=sm_90a, V256): 108 without l2norm, 116 with (<= 128: two CTAs per SM
-stay), no spills; smem unchanged (the normalization is in place).
+Constraints: K = 128; V % 64 == 0; T % 64 == 0 (a ragged last chunk is refused; varlen: the
+padded row's T, the raw T any); HV % H == 0; q, k, v one dtype (bf16 or fp16); g fp32 / bf16 /
+fp16; beta bf16 / fp16 / fp32; contiguous, 16-byte aligned (the table too); varlen: B = 1, the
+table int32 [NT, 2], no fp16 g in the lower_bound form; with the gate in the kernel an A_log of HV
+elements (dt_bias optional, HV * K). `scale`, `want_qg`, `l2norm`, `varlen`, the gate form and
+lower_bound are part of the compile key. Registers (ptxas 13.0, -arch=sm_90a, V256): 108 without
+l2norm, 116 with; varlen 122 and 125 (bf16 gate in the op; all <= 128: two CTAs per SM stay), no
+spills; smem unchanged (the normalization is in place). The plain builds' PTX is the same with and
+without the varlen code (only the four trailing stand-in parameters are new).
 
 Today (H200, 2026-12-02, bench/check_stage.py --stage fwd_prep): 3.559 ms vs fla's gate cumsum +
 fwd_intra 5.405 at the reference shape (1.52x; 2.0x over the byte floor above), 3.162 vs 5.058 at
@@ -85,7 +120,8 @@ witness.
 
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_prep_compile.py, ptxsim.kda_prep)
 against float64 and fla's roundings (with l2norm: bitwise kda_cute_l2norm_fwd, then the kernel
-without it), and on the H200 against float64 and fla
+without it; varlen, tests/kda_cute/test_prep_varlen.py: bitwise the plain build on the padded row,
+every global access inside the tensors; not yet run on a GPU), and on the H200 against float64 and fla
 (bench/check_stage.py, the chain's GPU tests). History and what next: docs/perf/prep.md.
 """
 
@@ -124,7 +160,7 @@ class KdaPrep:
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_qg: bool,
                  gate: str, has_bias: bool, lower_bound: float, recompute: bool = False,
-                 l2norm: bool = False, gk_in: bool = False):
+                 l2norm: bool = False, gk_in: bool = False, varlen: bool = False, g_fill: float = 0.0):
         self.recompute = recompute  # kda_cute_bwd_prep: Akk read, not solved (module kda_cute.bwd_prep)
         # bwd_prep with the forward's gk given (no gate in the op: fla keeps gk then): gk read into
         # the g tile by cp.async with q, k; no gate, no cumsum, no gk written
@@ -141,6 +177,11 @@ class KdaPrep:
         self.gate = gate
         self.has_bias = has_bias
         self.lower_bound = float(lower_bound)
+        # packed sequences (fwd only): the raw inputs read through the chunk table, the outputs and
+        # the inputs' padded copies written on the padded row; g_fill: a pad row's raw gate (exact in
+        # g's dtype: the chain's pad, so its step gate is the padded path's, bitwise)
+        self.varlen = varlen and not recompute
+        self.g_fill = float(g_fill)
 
 
 def _build_kernel_class():
@@ -215,18 +256,24 @@ def _build_kernel_class():
             mKn: cute.Tensor,  # with l2norm: [B, T, H, K] io, k normalized (else k)
             mQr: cute.Tensor,  # with l2norm: [B, T, H] f32, q's rstd (else a stand-in, unread)
             mKr: cute.Tensor,  # with l2norm: [B, T, H] f32, k's rstd
+            mTable: cute.Tensor,  # varlen: [NT, 2] int32, the chunk table (else a stand-in, unread)
+            mVp: cute.Tensor,  # varlen: [1, T, HV, V] io, v's padded copy (else a stand-in, unwritten)
+            mGp: cute.Tensor,  # varlen with a gate in the kernel: [1, T, HV, K], g's padded copy (else g)
+            mBetap: cute.Tensor,  # varlen: [1, T, HV], beta's padded copy (else beta, unwritten)
             stream,
         ):
             B = cute.size(mG, mode=[0])
-            T_ = cute.size(mG, mode=[1])
+            NT = cute.size(mG, mode=[1]) // BT
+            if cutlass.const_expr(self.varlen):  # the inputs are the raw row: one CTA per table chunk
+                NT = cute.size(mTable, mode=[0])
             HV = cute.size(mG, mode=[2])
             args = (mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk,
-                    mQn, mKn, mQr, mKr)
+                    mQn, mKn, mQr, mKr, mTable, mVp, mGp, mBetap)
             if cutlass.const_expr(self.recompute):
                 kernel = self.kda_cute_bwd_prep(*args)
             else:
                 kernel = self.kda_cute_prep(*args)
-            kernel.launch(grid=(T_ // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=2,
+            kernel.launch(grid=(NT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=2,
                           preferred_smem_carveout=100, stream=stream)
 
         @cute.jit
@@ -345,14 +392,18 @@ def _build_kernel_class():
             sL[rr, ss] = ((ak[0] + ak[1]) + (ak[2] + ak[3])) * sBeta[rr]
 
         @cute.jit
-        def _gate_rows(self, mG, mAlog, mBias, sTot4, run, b, hv, row0, t):
+        def _gate_rows(self, mG, mAlog, mBias, sTot4, run, b, hv, row0, t, raw0, nv, mGp):
             """Columns 4 (t % 32) .. + 3 and rows RG (t / 32) .. + RG - 1 of the chunk (RG = 8: a warp
             per row group, a lane per 4 columns, so each of the thread's row loads is one 8-byte
             (bf16 / fp16) or 16-byte (fp32) vector and a warp's load is one whole row): the step
             gate in fp32 (fla's kda_gate_chunk_cumsum: softplus: -exp(A_log) softplus(g + dt_bias);
             lower_bound: lower_bound sigmoid(exp(A_log) (g + dt_bias)); none: g itself) and its
             running sum down the thread's rows -> run[i, x] (registers); the group's totals -> sTot4
-            (groups 0 .. NRG - 2: the last one's is never read)."""
+            (groups 0 .. NRG - 2: the last one's is never read). varlen: row r reads raw row raw0 +
+            min(r, nv - 1) (always a row of the chunk's own sequence: no load leaves the row); a pad row
+            r >= nv then takes the chain's pad gate `g_fill` in g's dtype (so its step gate is the
+            padded path's bitwise: 0, or -0 in the gate forms) and, with a gate in the kernel, the rows
+            go out to g's padded copy mGp (the padded row)."""
             cg = t % CG
             rg = t // CG
             rowv = cute.make_layout((self.K // 4, 4), stride=(4, 1))
@@ -366,8 +417,22 @@ def _build_kernel_class():
                         bias[x] = f32(mBias[hv, 4 * cg + x])
             raw = []  # every row's load issued before the first use
             for i in cutlass.range_constexpr(RG):
-                src = cute.make_tensor(mG[b, row0 + rg * RG + i, hv, None].iterator, rowv)
+                if cutlass.const_expr(self.varlen):
+                    srow = raw0 + cutlass.min(rg * RG + i, nv - 1)
+                    src = cute.make_tensor(mG[b, srow, hv, None].iterator, rowv)
+                else:
+                    src = cute.make_tensor(mG[b, row0 + rg * RG + i, hv, None].iterator, rowv)
                 raw.append(src[cg, None].load())
+            if cutlass.const_expr(self.varlen):
+                for i in cutlass.range_constexpr(RG):
+                    r = rg * RG + i
+                    fr = cute.make_rmem_tensor(cute.make_layout(4), mG.element_type)
+                    fr.store(raw[i])
+                    if r >= nv:  # warp-uniform
+                        fr.fill(self.g_fill)
+                    raw[i] = fr.load()
+                    if cutlass.const_expr(self.gate != "none"):
+                        cute.make_tensor(mGp[b, row0 + r, hv, None].iterator, rowv)[cg, None].store(raw[i])
             for x in cutlass.range_constexpr(4):
                 acc = f32(0.0)
                 for i in cutlass.range_constexpr(RG):
@@ -409,6 +474,20 @@ def _build_kernel_class():
                 vec = gv.load()
                 sG4[r, cg, None].store(vec)
                 cute.make_tensor(mGk[b, row0 + r, hv, None].iterator, rowv)[cg, None].store(vec)
+
+        @cute.jit
+        def _rows_async(self, cp, tS, tD, cD, nv):
+            """varlen: the thread's 16-byte pieces (tS -> tD, cp's partition of a (64, n) tile; cD the
+            same partition of its identity) whose row is < nv by cp.async; a pad row's pieces are
+            never loaded (its address may lie past the raw row, or in the next sequence) and get
+            zeros in smem by a plain store instead (ordered before any reader by the barrier that
+            ends the copy's wait)."""
+            for m in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+                for n in cutlass.range_constexpr(cute.size(tS, mode=[2])):
+                    if cD[0, m, n][0] < nv:
+                        cute.copy(cp, tS[None, m, n], tD[None, m, n])
+                    else:
+                        tD[None, m, n].fill(0.0)
 
         @cute.jit
         def _l2norm_rows(self, sX, mY, mR, b, h, row0, wid, lane, writer):
@@ -492,37 +571,48 @@ def _build_kernel_class():
                           mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor, mW: cute.Tensor,
                           mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
                           mAkk: cute.Tensor, mGk: cute.Tensor, mQn: cute.Tensor, mKn: cute.Tensor,
-                          mQr: cute.Tensor, mKr: cute.Tensor):
+                          mQr: cute.Tensor, mKr: cute.Tensor, mTable: cute.Tensor, mVp: cute.Tensor,
+                          mGp: cute.Tensor, mBetap: cute.Tensor):
             self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn, mQr,
-                       mKr)
+                       mKr, mTable, mVp, mGp, mBetap)
 
         @cute.kernel
         def kda_cute_bwd_prep(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                               mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor, mW: cute.Tensor,
                               mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
                               mAkk: cute.Tensor, mGk: cute.Tensor, mQn: cute.Tensor, mKn: cute.Tensor,
-                              mQr: cute.Tensor, mKr: cute.Tensor):
+                              mQr: cute.Tensor, mKr: cute.Tensor, mTable: cute.Tensor, mVp: cute.Tensor,
+                              mGp: cute.Tensor, mBetap: cute.Tensor):
             """The backward's recompute (kda_cute.bwd_prep): phases 0, 3 (without the solve's
-            outputs) and 4 with Akk read into the A operand's tile (no L2 norm: the four last
-            tensors are stand-ins, untouched)."""
+            outputs) and 4 with Akk read into the A operand's tile (no L2 norm, no varlen: the eight
+            last tensors are stand-ins, untouched)."""
             self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn, mQr,
-                       mKr)
+                       mKr, mTable, mVp, mGp, mBetap)
 
         @cute.jit
         def _body(self, mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn,
-                  mQr, mKr):
+                  mQr, mKr, mTable, mVp, mGp, mBetap):
             K = self.K
             NV = self.NV
             io = self.io_dtype
             mQ, mK, mV, mW, mU, mQg, mKg, mAqk, mAkk = (
                 _warp.gmem(t) for t in (mQ, mK, mV, mW, mU, mQg, mKg, mAqk, mAkk))
             mG, mGk = _warp.gmem(mG), _warp.gmem(mGk)  # the gate's vector rows (16-byte aligned)
-            if cutlass.const_expr(self.l2norm):
+            if cutlass.const_expr(self.l2norm or self.varlen):  # (varlen without l2norm: q, k's copies)
                 mQn, mKn = _warp.gmem(mQn), _warp.gmem(mKn)
+            if cutlass.const_expr(self.varlen):
+                mVp = _warp.gmem(mVp)
+                if cutlass.const_expr(self.gate != "none"):
+                    mGp = _warp.gmem(mGp)
             tidx, _, _ = cute.arch.thread_idx()
             t_idx, hv, b = cute.arch.block_idx()
             h = hv // self.gsize
-            row0 = t_idx * BT
+            row0 = t_idx * BT  # the chunk's first row of the outputs (varlen: the padded row)
+            raw0 = row0  # ... and of the inputs (varlen: the raw row's, from the table)
+            nv = BT  # the chunk's valid rows (varlen: from the table; rows >= nv are pad rows)
+            if cutlass.const_expr(self.varlen):
+                raw0 = mTable[t_idx, 0]
+                nv = mTable[t_idx, 1]
             lane = tidx % 32
             wid = tidx // 32
 
@@ -536,6 +626,11 @@ def _build_kernel_class():
             gKg = cute.local_tile(mKg[b, None, hv, None], (BT, K), (t_idx, 0))
             gAqk = cute.local_tile(mAqk[b, None, hv, None], (BT, BT), (t_idx, 0))
             gAkk = cute.local_tile(mAkk[b, None, hv, None], (BT, BT), (t_idx, 0))
+            if cutlass.const_expr(self.varlen):  # the raw rows raw0 .. (those >= nv never read)
+                at = (raw0, 0)
+                gQ = cute.local_tile(cute.domain_offset(at, mQ[b, None, h, None]), (BT, K), (0, 0))
+                gK = cute.local_tile(cute.domain_offset(at, mK[b, None, h, None]), (BT, K), (0, 0))
+                gV = cute.local_tile(cute.domain_offset(at, mV[b, None, hv, None]), (BT, BV), (0, None))
 
             # ---------------- shared memory (104 KB: two CTAs per SM). Four buffers take a
             # second role once their first is dead: q -> bf16(beta k E) (phase 3), g -> the V
@@ -585,8 +680,14 @@ def _build_kernel_class():
             cp_io, cp_f32 = _warp.cp_async_copies(io, THREADS)
             tio = cp_io.get_slice(tidx)
             tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
-            cute.copy(cp_io, tio.partition_S(gQ), tio.partition_D(sQ))
-            cute.copy(cp_io, tio.partition_S(gK), tio.partition_D(sK))
+            if cutlass.const_expr(self.varlen):
+                cQK = tio.partition_S(cute.make_identity_tensor((BT, K)))
+                cVio = tio.partition_S(cute.make_identity_tensor((BT, BV)))
+                self._rows_async(cp_io, tio.partition_S(gQ), tio.partition_D(sQ), cQK, nv)
+                self._rows_async(cp_io, tio.partition_S(gK), tio.partition_D(sK), cQK, nv)
+            else:
+                cute.copy(cp_io, tio.partition_S(gQ), tio.partition_D(sQ))
+                cute.copy(cp_io, tio.partition_S(gK), tio.partition_D(sK))
             if cutlass.const_expr(self.recompute):  # Akk is given: straight into the A operand's tile
                 cute.copy(cp_io, tio.partition_S(gAkk), tio.partition_D(sAb))
             if cutlass.const_expr(self.gk_in):  # the forward's gk: the g tile as it is
@@ -600,11 +701,18 @@ def _build_kernel_class():
                     cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
                     cute.arch.cp_async_commit_group()
                     groups.append(iv)
-            if tidx < BT:
+            if cutlass.const_expr(self.varlen):  # pad rows: beta = 0; beta's padded copy out
+                if tidx < BT:
+                    bt = self.beta_dtype(0.0)
+                    if tidx < nv:
+                        bt = mBeta[b, raw0 + tidx, hv]
+                    sBeta[tidx] = f32(bt)
+                    mBetap[b, row0 + tidx, hv] = bt
+            elif tidx < BT:
                 sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
             if cutlass.const_expr(not self.gk_in):
                 grun = cute.make_rmem_tensor(cute.make_layout((RG, 4), stride=(4, 1)), f32)
-                self._gate_rows(mG, mAlog, mBias, sTot4, grun, b, hv, row0, tidx)
+                self._gate_rows(mG, mAlog, mBias, sTot4, grun, b, hv, row0, tidx, raw0, nv, mGp)
             cute.arch.cp_async_wait_group(len(groups))  # q, k (and Akk, gk); not the V tiles
             cute.arch.sync_threads()
             if cutlass.const_expr(not self.gk_in):
@@ -628,6 +736,11 @@ def _build_kernel_class():
             cK = t8.partition_D(cute.make_identity_tensor((BT, K)))
             tKg = t8.partition_D(gKg)
             tQg = t8.partition_D(gQg)
+            copy_qk = self.varlen and not self.l2norm  # q, k's padded copies (with l2norm: q, k normalized)
+            if cutlass.const_expr(copy_qk):
+                writer = hv % self.gsize == 0  # one CTA of a GVA group, as the normalized q, k
+                tQp = t8.partition_D(cute.local_tile(mQn[b, None, h, None], (BT, K), (t_idx, 0)))
+                tKp = t8.partition_D(cute.local_tile(mKn[b, None, h, None], (BT, K), (t_idx, 0)))
             for m in cutlass.range_constexpr(cute.size(cK, mode=[1])):
                 for n in cutlass.range_constexpr(cute.size(cK, mode=[2])):
                     r, d0 = cK[0, m, n]
@@ -646,6 +759,14 @@ def _build_kernel_class():
                     cute.copy(st8, rkg, tKg[None, m, n])
                     if cutlass.const_expr(self.want_qg):
                         cute.copy(st8, rqg, tQg[None, m, n])
+                    if cutlass.const_expr(copy_qk):
+                        if writer:
+                            rqp = cute.make_fragment_like(tQp[None, m, n])
+                            rqp.store(sQ8[r, c8, None].load())
+                            cute.copy(st8, rqp, tQp[None, m, n])
+                            rkp = cute.make_fragment_like(tKp[None, m, n])
+                            rkp.store(sK8[r, c8, None].load())
+                            cute.copy(st8, rkp, tKp[None, m, n])
 
             if cutlass.const_expr(not self.recompute):  # phases 1-3's solve: fwd only
                 # ---------------- phase 1: Aqk (staged in sX's storage) and L. Warps 0-5: a block
@@ -720,7 +841,11 @@ def _build_kernel_class():
             cute.arch.sync_threads()  # g is dead: its storage takes the V ring
             if cutlass.const_expr(not self.recompute):
                 for iv in cutlass.range_constexpr(min(STAGES, NV)):
-                    cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
+                    if cutlass.const_expr(self.varlen):
+                        self._rows_async(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv], cVio,
+                                         nv)
+                    else:
+                        cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
                     cute.arch.cp_async_commit_group()
                     groups.append(iv)
 
@@ -744,6 +869,8 @@ def _build_kernel_class():
             vBT = cpBt.retile(rBT)
             cV = t8.partition_D(cute.make_identity_tensor((BT, BV)))
             tVb = t8.partition_D(sV)  # (8 values, m, 1, stage)
+            if cutlass.const_expr(self.varlen):  # v's padded copy, from the ring (its pad rows: zeros)
+                tVp = t8.partition_D(cute.local_tile(mVp[b, None, hv, None], (BT, BV), (t_idx, None)))
 
             for c in cutlass.range_constexpr(K // BV):
                 sKEc = cute.local_tile(sKE, (BT, BV), (0, c))
@@ -757,6 +884,8 @@ def _build_kernel_class():
                 for m in cutlass.range_constexpr(cute.size(cV, mode=[1])):
                     rv = cute.make_fragment_like(tVb[None, m, 0, st])
                     cute.copy(st8, tVb[None, m, 0, st], rv)
+                    if cutlass.const_expr(self.varlen):
+                        cute.copy(st8, rv, tVp[None, m, 0, iv])
                     vb = rv.load().to(f32)
                     rv.store((vb * sBeta[cV[0, m, 0][0]]).to(io))
                     cute.copy(st8, rv, tVb[None, m, 0, st])
@@ -765,7 +894,11 @@ def _build_kernel_class():
                                cute.composition(sV[None, None, st], tr64), st_c16, tsc16, gU[None, None, iv])
                 if cutlass.const_expr(iv + STAGES < NV):
                     cute.arch.sync_threads()  # every warp is done reading stage st
-                    cute.copy(cp_io, tVg[None, None, None, iv + STAGES], tVs[None, None, None, st])
+                    if cutlass.const_expr(self.varlen):
+                        self._rows_async(cp_io, tVg[None, None, None, iv + STAGES], tVs[None, None, None, st],
+                                         cVio, nv)
+                    else:
+                        cute.copy(cp_io, tVg[None, None, None, iv + STAGES], tVs[None, None, None, st])
                     cute.arch.cp_async_commit_group()
                     groups.append(iv + STAGES)
 
@@ -794,11 +927,60 @@ _kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL impo
 
 # ----------------------------------------------------------------------------------- host side
 _NAMES = ("q", "k", "v", "g", "beta")
-def _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size) -> str | None:
-    """Why the kernel cannot compute this call at all (shape, dtype, layout), or None."""
+GATE_PAD = -1e30  # a pad row's raw gate (the chain's kda_chain.varlen.GATE_PAD): its step gate is 0
+
+
+def gate_pad_value(g_dtype: torch.dtype, use_gate_in_kernel: bool) -> float:
+    """A pad row's raw gate in g's dtype, as the chain's pack_inputs fills it (varlen): 0 for a given
+    log gate; with the gate in the op -1e30 as g's dtype rounds it (fp32 / bf16), -inf for fp16
+    (the softplus form: -1e30 overflows fp16; the lower_bound form is refused)."""
+    if not use_gate_in_kernel:
+        return 0.0
+    if g_dtype == torch.float16:
+        return float("-inf")
+    return float(torch.tensor(GATE_PAD, dtype=g_dtype))
+
+
+def _table_reason(q, k, v, g, beta, table, lower_bound, use_gate_in_kernel) -> str | None:
+    """varlen's own reasons: the chunk table int32 [NT, 2], contiguous, on the inputs' device; one
+    packed row (B = 1) with one raw T for the five inputs; not an fp16 g in the lower_bound form."""
+    if not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.dim() != 2 \
+            or table.shape[1] != 2 or table.shape[0] == 0:
+        what = (f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor)
+                else type(table).__name__)
+        return f"table must be int32 [NT, 2] with NT >= 1; got {what}"
+    if not table.is_contiguous():
+        return "table is not contiguous"
+    if table.device != q.device:
+        return f"table on {table.device}, the inputs on {q.device}"
+    if q.dim() != 4 or q.shape[0] != 1:
+        return f"varlen needs the packed row q [1, T, H, K]; got {tuple(q.shape)}"
+    if any(x.dim() < 2 or x.shape[:2] != q.shape[:2] for x in (k, v, g, beta)):
+        return "q, k, v, g, beta must share one packed row [1, T, ...]"
+    if use_gate_in_kernel and lower_bound is not None and g.dtype == torch.float16:
+        return "varlen with an fp16 g in the lower_bound form (its pad gate overflows fp16: give g in fp32)"
+    return None
+
+
+def _padded_shape(x, T: int):
+    """x's shape with T rows and no storage (meta): the extent checks of a varlen call, whose raw T
+    need not be a multiple of the chunk, run on the padded row."""
+    return torch.empty((x.shape[0], T, *x.shape[2:]), device="meta")
+
+
+def _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size, table=None,
+                 lower_bound=None) -> str | None:
+    """Why the kernel cannot compute this call at all (shape, dtype, layout), or None. With a
+    table (varlen), the extents are checked on the padded row (T = 64 NT), the rest on the raw one."""
     if chunk_size != BT:
         return f"chunk_size={chunk_size} (kernel built for {BT})"
-    r = (_warp.extent_reason(q, k, v, g, beta, SUPPORTED_K)
+    ext = (q, k, v, g, beta)
+    if table is not None:
+        r = _table_reason(q, k, v, g, beta, table, lower_bound, use_gate_in_kernel)
+        if r:
+            return r
+        ext = tuple(_padded_shape(x, BT * table.shape[0]) for x in ext)
+    r = (_warp.extent_reason(*ext, SUPPORTED_K)
          or _warp.dtype_reason(q, (("k", k), ("v", v)), g, beta, _warp.G_DTYPES))
     if r:
         return r
@@ -807,14 +989,17 @@ def _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_siz
         return f"the gate in the kernel needs A_log of {HV} elements"
     if use_gate_in_kernel and dt_bias is not None and dt_bias.numel() != HV * K:
         return f"dt_bias must have HV*K={HV * K} elements"
+    if table is not None:
+        return _warp.layout_reason((*_NAMES, "table"), (q, k, v, g, beta, table))
     return _warp.layout_reason(_NAMES, (q, k, v, g, beta))
 
 
 def is_supported(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
-                 want_qg=False, l2norm=False) -> str | None:
+                 want_qg=False, l2norm=False, table=None) -> str | None:
     """None when `fwd_prep` runs the CuTe kernel on these arguments, else the reason it would not
-    (l2norm changes nothing: the L2 norm takes every q, k the kernel takes)."""
-    return _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size)
+    (l2norm changes nothing: the L2 norm takes every q, k the kernel takes). `table`: varlen's chunk
+    table (module docstring); its contents are trusted, not read (that would sync the host)."""
+    return _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size, table, lower_bound)
 
 
 @dataclass(frozen=True)
@@ -838,23 +1023,27 @@ class PrepConfig:
     recompute: bool = False  # kda_cute_bwd_prep (kda_cute.bwd_prep)
     l2norm: bool = False  # q, k given raw: L2-normalized in the kernel, written out with their rstds (fwd)
     gk_in: bool = False  # bwd_prep: the forward's gk read (no gate in the op), not recomputed
+    varlen: bool = False  # fwd: the raw packed row read through the chunk table, padded copies out
 
 
 _new_config = interned(PrepConfig)
 
 
 def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm=False,
-            recompute=False, gk_in=False) -> PrepConfig:
+            recompute=False, gk_in=False, varlen=False) -> PrepConfig:
     gate = _warp.gate_form(use_gate_in_kernel, lower_bound)
     return _new_config(DT[q.dtype], DT[beta.dtype], DT[g.dtype], q.shape[3], v.shape[3], q.shape[2],
                        v.shape[2], float(scale), bool(want_qg), gate, gate != "none" and dt_bias is not None,
-                       float(lower_bound or 0.0), compile_arch(), bool(recompute), bool(l2norm), bool(gk_in))
+                       float(lower_bound or 0.0), compile_arch(), bool(recompute), bool(l2norm), bool(gk_in),
+                       bool(varlen))
 
 
-def _outputs(q, v, want_qg, l2norm=False):
+def _outputs(q, v, want_qg, l2norm=False, T=None):
     """gk (fp32), then w, u, qg (None unless want_qg), kg, Aqk, Akk in q's dtype, and with l2norm
-    q, k normalized (q's dtype, [B, T, H, K]) and their rstds ([B, T, H] fp32): fresh."""
-    B, T, HV, V = v.shape
+    q, k normalized (q's dtype, [B, T, H, K]) and their rstds ([B, T, H] fp32): fresh, on T rows
+    (default v's; varlen: the padded row's)."""
+    B, T_in, HV, V = v.shape
+    T = T_in if T is None else T
     H, K = q.shape[2], q.shape[3]
     io = q.dtype
     l2 = ()
@@ -873,20 +1062,41 @@ def _outputs(q, v, want_qg, l2norm=False):
     )
 
 
-def _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg: PrepConfig, outs):
-    """The kernel's eighteen tensors. A_log [1, HV] and dt_bias [HV, K] in fp32 (a view when they
+def _copies(q, v, g, beta, T, use_gate_in_kernel, outs, l2norm):
+    """varlen's padded copies of the inputs [1, T, ...] (T the padded row's): q_p, k_p (with l2norm
+    the normalized outputs themselves), v_p, g_p (None without the gate in the op), beta_p: fresh."""
+    H, K = q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    qk = tuple(outs[7:9]) if l2norm else (alloc((1, T, H, K), q.dtype, q), alloc((1, T, H, K), q.dtype, q))
+    gp = alloc((1, T, HV, K), g.dtype, q) if use_gate_in_kernel else None
+    return (*qk, alloc((1, T, HV, V), v.dtype, q), gp, alloc((1, T, HV), beta.dtype, q))
+
+
+def _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg: PrepConfig, outs, table=None, copies=None):
+    """The kernel's twenty-two tensors. A_log [1, HV] and dt_bias [HV, K] in fp32 (a view when they
     are already); where the kernel does not read them, gk's storage stands in (2-D, fp32). Without
     want_qg kg's storage stands in for qg (never written). `outs`: `_outputs`' (seven, or eleven
-    with l2norm); without the L2 norm's four, q and k stand in for the normalized q, k and gk's
-    storage for the rstds (never touched)."""
+    with l2norm); without the L2 norm's four, q and k stand in for the normalized q, k (varlen:
+    q_p, k_p go there) and gk's storage for the rstds (never touched). The last four: the table,
+    v_p, g_p, beta_p (varlen: `table` and `copies`, `_copies`' five; g stands in for a g_p not
+    made); else gk's storage, u, g and beta stand in (never touched)."""
     gk, w, u, qg, kg, aqk, akk = outs[:7]
     stand_in = gk.view(-1, gk.shape[-1])
     a, bias = _warp.gate_views(A_log if cfg.gate != "none" else None, dt_bias if cfg.has_bias else None,
                                cfg.HV, cfg.K)
     a = stand_in if a is None else a
     bias = stand_in if bias is None else bias
-    l2 = tuple(outs[7:]) if cfg.l2norm else (q, k, stand_in, stand_in)
-    return (q, k, v, g, beta, a, bias, w, u, kg if qg is None else qg, kg, aqk, akk, gk, *l2)
+    qk = (q, k) if copies is None else copies[:2]
+    l2 = tuple(outs[7:]) if cfg.l2norm else (*qk, stand_in, stand_in)
+    if table is None:
+        var = (stand_in, u, g, beta)
+    else:
+        _, _, vp, gp, bp = copies
+        var = (table, vp, g if gp is None else gp, bp)
+    return (q, k, v, g, beta, a, bias, w, u, kg if qg is None else qg, kg, aqk, akk, gk, *l2, *var)
+
+
+_G_TORCH = {name: dt for dt, name in DT.items()}  # "bf16" -> torch.bfloat16, ..
 
 
 def _build(views, stream, cfg: PrepConfig, options: str = ""):
@@ -895,36 +1105,51 @@ def _build(views, stream, cfg: PrepConfig, options: str = ""):
     kern = _kernel_class()(
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
         cfg.want_qg, cfg.gate, cfg.has_bias, cfg.lower_bound, cfg.recompute, cfg.l2norm, cfg.gk_in,
+        cfg.varlen, gate_pad_value(_G_TORCH[cfg.g_dtype], cfg.gate != "none"),
     )
     return cute.compile(kern, *views, stream, options=options)
 
 
+def _plan(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm, table):
+    """(config, kernel arguments, result) of one call: fresh outputs, and with a table the padded
+    copies after them."""
+    T = None if table is None else BT * table.shape[0]
+    outs = _outputs(q, v, want_qg, l2norm, T)
+    copies = None if table is None else _copies(q, v, g, beta, T, use_gate_in_kernel, outs, l2norm)
+    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm,
+                  varlen=table is not None)
+    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs, table, copies)
+    return cfg, args, (outs if copies is None else (*outs, *copies))
+
+
 def compile_for(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg=True,
-                keep_ptx=False, l2norm=False):
+                keep_ptx=False, l2norm=False, table=None):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
-    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm)
-    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, _outputs(q, v, want_qg, l2norm))
+    cfg, args, _ = _plan(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg,
+                         l2norm, table)
     return _warp.compile_only(lambda views, stream, opts: _build(views, stream, cfg, opts), args, keep_ptx)
 
 
 def fwd_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
-             want_qg=False, l2norm=False):
+             want_qg=False, l2norm=False, table=None):
     """fla's gate_chunk_cumsum + chunk_kda_fwd_intra (chunk 64) in one kernel -> (gk, w, u, qg or
     None, kg, Aqk, Akk), fresh outputs; with l2norm, q and k are the raw ones: fla's l2norm_fwd of
-    both first, in the kernel, and its outputs follow (q, k normalized, q_rstd, k_rstd). Raises
-    ValueError on a call the kernel cannot compute."""
-    reason = _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size)
+    both first, in the kernel, and its outputs follow (q, k normalized, q_rstd, k_rstd). With a
+    chunk `table` (varlen: q, k, v, g, beta the packed row [1, T_raw, ...]) every output is on the
+    padded row [1, 64 NT, ...] and the inputs' padded copies follow (q_p, k_p, v_p, g_p or None,
+    beta_p; module docstring). Raises ValueError on a call the kernel cannot compute."""
+    reason = _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size, table,
+                          lower_bound)
     if reason is not None:
         raise ValueError(f"kda_cute.prep.fwd_prep: unsupported call: {reason}")
     return launch(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size,
-                  want_qg, l2norm)
+                  want_qg, l2norm, table)
 
 
 def launch(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
-           want_qg=False, l2norm=False):
+           want_qg=False, l2norm=False, table=None):
     """`fwd_prep` without its checks: for a caller whose `is_supported` just said None."""
-    outs = _outputs(q, v, want_qg, l2norm)
-    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm)
-    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs)
+    cfg, args, result = _plan(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale,
+                              want_qg, l2norm, table)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _build(views, stream, cfg, opts))
-    return outs
+    return result

@@ -49,7 +49,11 @@ rows, a lane per 4 columns) finish them after one more barrier (their global ope
 and the raw gate, pulled into L2 before the walk and loaded at once before that barrier:
 `_row_prefetch`, `_row_loads`); the gate's per-warp partials take the dead dAqk tile (R_AQ: 8.3 KB
 of its 17 KB). The fused class (`_Fused`) takes five more tensors (the gate's); the standalone
-kernel's PTX is unchanged. With that kernel in the chain,
+kernel's PTX is unchanged. varlen=True (`_Varlen`, a 24th tensor: the chunk table) stores the
+five outputs at the packed row's rows (kda_cute.bwd_chunk's docstring): every global store site
+of dq, dk, dv2, db, dg (the dv2 staging tile's in the V walk, the walk's column stores and db, the
+row passes') takes the table's base row and the predicate r < nv; the inputs and the row passes'
+reads (rstds, raw gate) stay on the padded row. With that kernel in the chain,
 kda_cute_wy_dqkg itself runs only in bwd_chunk's "split" fallback.
 
 Layouts: global as fla (q, k [B, T, H, K]; v-like [B, T, HV, V]; gk and the K outputs [B, T, HV,
@@ -74,8 +78,9 @@ vs 0.738 at B2 T4096 (2.65x); every output's error vs float64 equal to fla's
 
 Constraints: K = 128; V % 64 == 0; T % 64 == 0 (a ragged last chunk is refused); HV % H == 0;
 q, k, v, v_new, Akk, h, do, dh, dv one dtype (bf16 or fp16); beta bf16 / fp16 / fp32; gk fp32;
-contiguous, 16-byte aligned; no varlen, no state_v_first. `scale` and `want_dAqk` are part of the
-compile key.
+contiguous, 16-byte aligned; no varlen (only the fused kernel's varlen build, above), no
+state_v_first. `scale` and `want_dAqk` (and the fused fields, `varlen` among them) are part of
+the compile key.
 
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_wy_dqkg_compile.py, ptxsim.kda_wy)
 and on the H200 against float64 and fla (bench/check_stage.py, tests/gpu/test_chain_gpu.py).
@@ -119,7 +124,7 @@ class KdaWyDqkg:
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_dAqk: bool,
                  fused: bool = False, l2norm: bool = False, gate: str = "none", gate_bias: bool = False,
-                 lower_bound: float = 0.0):
+                 lower_bound: float = 0.0, varlen: bool = False):
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -134,6 +139,8 @@ class KdaWyDqkg:
         self.gate = gate
         self.gate_bias = gate_bias  # with a dt_bias (its partial gradient out per chunk)
         self.lower_bound = float(lower_bound)
+        # fused: the outputs on the packed row through the chunk table (kda_cute.bwd_chunk's docstring)
+        self.varlen = varlen
         # the intra walk's parameters (kda_cute._intra_walk): 4 groups of K threads, one 16-row
         # block each; its smem operands in this kernel's strides
         self.fold_dg = True
@@ -274,17 +281,19 @@ def _build_kernel_class():
             return rq, rk, raw, ea, bias
 
         @cute.jit
-        def _l2norm_rows(self, sX, sY, rs, mO, b, h, hv, row0, tidx):
+        def _l2norm_rows(self, sX, sY, rs, mO, b, h, hv, orow0, tidx, nv=None):
             """q / k's L2-norm backward (fla's l2norm_bwd) of the chunk's rows, 4 per warp, a lane
             per 4 columns: dx = dy r - y (dy . y) r from dy (sX, fp32) and y (sY, the normalized
             q / k the kernel used), r the rstds the forward saved (`_row_loads`: one per row of the
-            warp's); out in the io dtype."""
+            warp's); out in the io dtype at mO's rows orow0.. (varlen: the packed row's, only the
+            nv valid ones)."""
             K = self.K
             lane = tidx % 32
             wid = tidx // 32
             RW = BT // (THREADS // 32)  # rows per warp
             sX4 = cute.make_tensor(sX.iterator, cute.make_layout((BT, K // 4, 4), stride=(K, 4, 1)))
             sY4 = cute.make_tensor(sY.iterator, cute.make_layout((BT, K // 4, 4), stride=(self.qs, 4, 1)))
+            held = []  # varlen: the rows' outputs, stored after the loop (`_held_out`)
             for i in cutlass.range_constexpr(RW):
                 r = wid * RW + i
                 dy = sX4[r, lane, None].load()
@@ -295,16 +304,34 @@ def _build_kernel_class():
                 for off in (16, 8, 4, 2, 1):
                     dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=off)
                 dx = dy * rs[i] - y * (dot * rs[i])
-                cute.local_tile(mO[b, row0 + r, hv, None], (4,), (lane,)).store(dx.to(self.io_dtype))
+                if cutlass.const_expr(nv is None):
+                    cute.local_tile(mO[b, orow0 + r, hv, None], (4,), (lane,)).store(dx.to(self.io_dtype))
+                else:
+                    held.append(dx.to(self.io_dtype))
+            if cutlass.const_expr(nv is not None):
+                self._held_out(held, mO, b, hv, orow0, nv, wid * RW, lane)
 
         @cute.jit
-        def _gate_rows(self, sDy, raw, ea, bias, mO, mDAp, mDbp, sRed, sRedA, b, hv, t_idx, row0, tidx):
+        def _held_out(self, held, mO, b, hv, orow0, nv, rw0, lane):
+            """varlen: a row pass's outputs (`held`: this lane's 4 columns of rows rw0.., in registers)
+            stored at the packed row's rows orow0 + rw0.., only those below nv. Stored after the
+            rows' arithmetic, not between its rows: a branch there changes ptxas' / LLVM's fma
+            contraction of the rows' sums (the gate's dA partials came out an ulp off the padded
+            build's), so the varlen build would no longer be its padded build bit for bit."""
+            for i in cutlass.range_constexpr(len(held)):
+                if rw0 + i < nv:
+                    cute.local_tile(mO[b, orow0 + rw0 + i, hv, None], (4,), (lane,)).store(held[i])
+
+        @cute.jit
+        def _gate_rows(self, sDy, raw, ea, bias, mO, mDAp, mDbp, sRed, sRedA, b, hv, t_idx, orow0, tidx,
+                       nv=None):
             """fla's kda_gate_bwd of the chunk's rows, 4 per warp, a lane per 4 columns: from dy (the
             folded dg, sDy fp32) and the raw gate g (`_row_loads`: raw, ea = exp(A), bias), x = g +
             dt_bias, A = A_log[hv]:
                 softplus:     dg = -exp(A) (dy sigmoid(x)),  dA += dy (-exp(A) softplus(x))
                 lower_bound:  s = sigmoid(exp(A) x),  dg = dy (lb s (1 - s)) exp(A),  dA += dg x
-            (fla's softplus: x above 20, else ln(1 + e^x)); dg out in g's dtype. The chunk's dA and
+            (fla's softplus: x above 20, else ln(1 + e^x)); dg out in g's dtype at mO's rows orow0..
+            (varlen: the packed row's, only the nv valid ones; the partials cover all 64). The chunk's dA and
             (with a dt_bias) per-column sum of dg: per thread, per warp (shuffles / smem), then the
             16 warps in order -> mDAp[b, t, hv], mDbp[b, t, hv, :] (no atomics: the host sums them)."""
             K = self.K
@@ -317,6 +344,7 @@ def _build_kernel_class():
             dbs.fill(0.0)
             dgr = cute.make_rmem_tensor(cute.make_layout(4), f32)
             da = f32(0.0)
+            held = []  # varlen: the rows' outputs, stored after the loop
             for i in cutlass.range_constexpr(RW):
                 r = wid * RW + i
                 dy = sY4[r, lane, None].load()
@@ -337,7 +365,12 @@ def _build_kernel_class():
                         da = da + dgx * xv
                     dbs[x] = dbs[x] + dgr[x]
                 out = dgr.load().to(mO.element_type)
-                cute.local_tile(mO[b, row0 + r, hv, None], (4,), (lane,)).store(out)
+                if cutlass.const_expr(nv is None):
+                    cute.local_tile(mO[b, orow0 + r, hv, None], (4,), (lane,)).store(out)
+                else:
+                    held.append(out)
+            if cutlass.const_expr(nv is not None):  # the stores after the rows' arithmetic (`_held_out`)
+                self._held_out(held, mO, b, hv, orow0, nv, wid * RW, lane)
             for off in (16, 8, 4, 2, 1):
                 da = da + cute.arch.shuffle_sync_bfly(da, offset=off)
             if lane == 0:
@@ -384,6 +417,7 @@ def _build_kernel_class():
             mBias: cute.Tensor,
             mDAp: cute.Tensor,
             mDbp: cute.Tensor,
+            mTab=None,
         ):
             K = self.K
             NV = self.NV
@@ -395,6 +429,10 @@ def _build_kernel_class():
             t_idx, hv, b = cute.arch.block_idx()
             h = hv // self.gsize
             row0 = t_idx * BT
+            orow0, nv = row0, None  # the outputs' first row; the chunk's valid rows (None: all 64)
+            if cutlass.const_expr(self.varlen):  # the packed row's, from the chunk table
+                orow0 = mTab[t_idx, 0]
+                nv = mTab[t_idx, 1]
             lane = tidx % 32
             wid = tidx // 32
             wm = wid % 4  # the tiled mma's warp grid: (4 row warps, 4 column warps), M first
@@ -409,7 +447,11 @@ def _build_kernel_class():
             gVn = cute.local_tile(mVn[b, None, hv, None], (BT, BV), (t_idx, None))
             gDo = cute.local_tile(mDo[b, None, hv, None], (BT, BV), (t_idx, None))
             gDv = cute.local_tile(mDv[b, None, hv, None], (BT, BV), (t_idx, None))
-            gDv2 = cute.local_tile(mDv2[b, None, hv, None], (BT, BV), (t_idx, None))
+            if cutlass.const_expr(self.varlen):
+                mDv2r = cute.domain_offset((orow0, 0), mDv2[b, None, hv, None])  # from the packed row's
+                gDv2 = cute.local_tile(mDv2r, (BT, BV), (0, None))
+            else:
+                gDv2 = cute.local_tile(mDv2[b, None, hv, None], (BT, BV), (t_idx, None))
             gH = cute.local_tile(mH[b, t_idx, hv, None, None], (K, BV), (0, None))
             gDh = cute.local_tile(mDh[b, t_idx, hv, None, None], (K, BV), (0, None))
             if cutlass.const_expr(not fused):
@@ -654,7 +696,11 @@ def _build_kernel_class():
                     cute.arch.cp_async_commit_group()
                     groups.append(iv + STAGES)
                 cute.copy(st_io, tOs, rOst)
-                cute.copy(st_io, rOst, tOg[None, None, None, iv])
+                if cutlass.const_expr(self.varlen):
+                    if tidx // (BV // 8) < nv:  # st_io: a row per 8 threads
+                        cute.copy(st_io, rOst, tOg[None, None, None, iv])
+                else:
+                    cute.copy(st_io, rOst, tOg[None, None, None, iv])
 
             # ---------------- epilogue
             # dAqk = scale tril(do v_new^T) out first: its 8 floats are free for the rest
@@ -851,30 +897,34 @@ def _build_kernel_class():
                 scol = cute.make_layout(BT, stride=K)
                 ins = [cute.make_tensor(t.iterator + d, scol) for t in (sDqS, sDkS, sDgS)]
                 gcol = cute.make_layout(BT, stride=cute.size(mG, mode=[2]) * K)
-                outs = [cute.make_tensor(m[b, row0, hv, None].iterator + d, gcol) for m in (mDq, mDk, mDg)]
+                outs = [cute.make_tensor(m[b, orow0, hv, None].iterator + d, gcol) for m in (mDq, mDk, mDg)]
                 if cutlass.const_expr(self.l2norm):  # dq, dk stay in smem (fp32, in place) for the rows
                     outs[0], outs[1] = ins[0], ins[1]
                 gate = self.gate != "none"
                 if cutlass.const_expr(gate):  # the folded dg too, for the gate's rows
                     outs[2] = ins[2]
-                gDb = cute.local_tile(mDb[b, None, hv], (BT,), (t_idx,))
+                if cutlass.const_expr(self.varlen):
+                    gDb = cute.local_tile(cute.domain_offset((orow0,), mDb[b, None, hv]), (BT,), (0,))
+                else:
+                    gDb = cute.local_tile(mDb[b, None, hv], (BT,), (t_idx,))
                 rows = self.l2norm or gate  # (mDA, mDAq: the rstds)
                 if cutlass.const_expr(rows):
                     self._row_prefetch(mDA, mDAq, mGr, b, h, hv, row0, tidx)
-                self.intra_walk(tidx, sQ, sK, sG, sAqS, sAkS, sBeta, sDbp, sStage, *ins, *outs, sDbi, gDb, 0)
+                self.intra_walk(tidx, sQ, sK, sG, sAqS, sAkS, sBeta, sDbp, sStage, *ins, *outs, sDbi, gDb, 0,
+                                nv=nv)
                 if cutlass.const_expr(rows):  # the loads fly while the barrier waits for the last warp
                     rq, rk, raw, ea, bias = self._row_loads(mDA, mDAq, mGr, mAlog, mBias, b, h, hv, row0,
                                                             tidx)
                     cute.arch.sync_threads()  # every column of dq, dk, dg is final; dAqk's slot is dead
                 if cutlass.const_expr(self.l2norm):
-                    self._l2norm_rows(sDqS, sQ, rq, mDq, b, h, hv, row0, tidx)
-                    self._l2norm_rows(sDkS, sK, rk, mDk, b, h, hv, row0, tidx)
+                    self._l2norm_rows(sDqS, sQ, rq, mDq, b, h, hv, orow0, tidx, nv)
+                    self._l2norm_rows(sDkS, sK, rk, mDk, b, h, hv, orow0, tidx, nv)
                 if cutlass.const_expr(gate):  # the per-warp partials in dAqk's dead slot
                     NW = THREADS // 32
                     sRed = at(R_AQ, f32, cute.make_layout((NW, K), stride=(K, 1)))
                     sRedA = at(R_AQ + NW * K * 4, f32, cute.make_layout(NW))
-                    self._gate_rows(sDgS, raw, ea, bias, mDg, mDAp, mDbp, sRed, sRedA, b, hv, t_idx, row0,
-                                    tidx)
+                    self._gate_rows(sDgS, raw, ea, bias, mDg, mDAp, mDbp, sRed, sRedA, b, hv, t_idx, orow0,
+                                    tidx, nv)
             else:
                 cute.copy(st_c, tsc.retile(acc_a), tsc.partition_D(gDA))
 
@@ -917,7 +967,62 @@ def _build_kernel_class():
             kernel.launch(grid=(T // BT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=1,
                           preferred_smem_carveout=100, stream=stream)
 
-    return _Kernel, _Fused
+    class _Varlen(_Fused):
+        """fused=True, varlen=True (kda_cute_bwd_chunk on packed sequences): the fused kernel's 23
+        tensors and the chunk table mTab, int32 [NT, 2] (kda_cute.bwd_chunk's docstring); B == 1,
+        the grid the padded row's chunks. A kernel of its own, so the others' PTX is unchanged."""
+
+        @cute.jit
+        def __call__(
+            self,
+            mQ: cute.Tensor,
+            mK: cute.Tensor,
+            mV: cute.Tensor,
+            mVn: cute.Tensor,
+            mG: cute.Tensor,
+            mBeta: cute.Tensor,
+            mA: cute.Tensor,
+            mH: cute.Tensor,
+            mDo: cute.Tensor,
+            mDh: cute.Tensor,
+            mDv: cute.Tensor,
+            mDq: cute.Tensor,  # the five outputs on the packed row: [1, T_raw, ...]
+            mDk: cute.Tensor,
+            mDv2: cute.Tensor,
+            mDb: cute.Tensor,
+            mDg: cute.Tensor,
+            mQr: cute.Tensor,
+            mKr: cute.Tensor,
+            mGr: cute.Tensor,
+            mAlog: cute.Tensor,
+            mBias: cute.Tensor,
+            mDAp: cute.Tensor,
+            mDbp: cute.Tensor,
+            mTab: cute.Tensor,  # [NT, 2] int32: each chunk's first packed row, its valid rows
+            stream,
+        ):
+            T = cute.size(mG, mode=[1])
+            HV = cute.size(mG, mode=[2])
+            kernel = self.kda_cute_bwd_chunk(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk,
+                                             mDv2, mDb, mDg, mQr, mKr, mGr, mAlog, mBias, mDAp, mDbp, mTab)
+            kernel.launch(grid=(T // BT, HV, 1), block=[THREADS, 1, 1], min_blocks_per_mp=1,
+                          preferred_smem_carveout=100, stream=stream)
+
+        @cute.kernel
+        def kda_cute_bwd_chunk(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mVn: cute.Tensor,
+                               mG: cute.Tensor, mBeta: cute.Tensor, mA: cute.Tensor, mH: cute.Tensor,
+                               mDo: cute.Tensor, mDh: cute.Tensor, mDv: cute.Tensor, mDq: cute.Tensor,
+                               mDk: cute.Tensor, mDv2: cute.Tensor, mDb: cute.Tensor, mDg: cute.Tensor,
+                               mQr: cute.Tensor, mKr: cute.Tensor, mGr: cute.Tensor, mAlog: cute.Tensor,
+                               mBias: cute.Tensor, mDAp: cute.Tensor, mDbp: cute.Tensor, mTab: cute.Tensor):
+            """The fused kernel (its docstring above) reading its inputs on the padded row and
+            writing dq, dk, dv2, db, dg at the packed row's rows mTab[c, 0].., only the mTab[c, 1]
+            valid ones (the rstds and the raw gate are padded-row inputs; the partials per padded
+            chunk, as without it)."""
+            self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mQr, mKr,
+                       mGr, mAlog, mBias, mDAp, mDbp, mTab)
+
+    return _Kernel, _Fused, _Varlen
 
 
 _kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL import) on first use
@@ -974,6 +1079,7 @@ class WyDqkgConfig:
     gate_bias: bool = False  # fused, with the gate: a dt_bias (its gradient's partials out)
     lower_bound: float = 0.0  # the "lower_bound" gate's constant
     g_dtype: str = ""  # fused, with the gate: the raw gate's dtype ("fp32" / "bf16" / "fp16")
+    varlen: bool = False  # fused: the outputs on the packed row through the chunk table (B == 1)
 
 
 _new_config = interned(WyDqkgConfig)
@@ -1011,9 +1117,9 @@ def _kernel_args(inputs, outs):
 def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
     import cutlass.cute as cute
 
-    kern = _kernel_class()[int(cfg.fused)](
+    kern = _kernel_class()[int(cfg.fused) + int(cfg.varlen)](
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
-        cfg.want_dAqk, cfg.fused, cfg.l2norm, cfg.gate, cfg.gate_bias, cfg.lower_bound,
+        cfg.want_dAqk, cfg.fused, cfg.l2norm, cfg.gate, cfg.gate_bias, cfg.lower_bound, cfg.varlen,
     )
     return cute.compile(kern, *views, stream, options=options)
 

@@ -5,7 +5,9 @@ interpreter, and its inputs.
 HV, B), `kda_cute.prep.THREADS` threads each, through `ext_wy.WyCTA` (tf32 mma.sync m16n8k8, bf16 /
 fp16 m16n8k16, ldmatrix, cp.async) over one emulated global memory holding the inputs and the seven
 outputs, NaN-poisoned first; it returns gk, w, u, qg, kg, Aqk, Akk (without want_qg, qg is the qg
-slot's own poisoned buffer: the kernel must leave it untouched). `prep_inputs(...)` makes random
+slot's own poisoned buffer: the kernel must leave it untouched). With a chunk table it runs the
+varlen build (the packed row in, the padded row out, plus the inputs' padded copies), every global
+access checked to stay inside the tensors. `prep_inputs(...)` makes random
 inputs of the contract's shapes and dtypes (never zeros: negative step gates or a gate's input,
 beta in (0, 1)). kda_cute is imported inside the functions only.
 """
@@ -14,40 +16,100 @@ import torch
 
 from .ext_wy import WyCTA, wy_program
 from .launch import run_grid
+from .memory import global_memory
 
 
-def _poisoned_grid(outs, v, ctas):
-    """NaN into every output (None skipped); `ctas`, or every (chunk, hv, b) CTA of v's grid."""
+def _poisoned_grid(outs, v, ctas, table=None):
+    """NaN into every output (None skipped); `ctas`, or every (chunk, hv, b) CTA of the grid: v's
+    (T / 64, HV, B), or with a chunk table (varlen) (NT, HV, 1)."""
     for t in outs:
         if t is not None:
             t.fill_(float("nan"))
     if ctas is not None:
         return ctas
     B, T, HV, _ = v.shape
+    if table is not None:
+        return [(tx, hy, 0) for hy in range(HV) for tx in range(table.shape[0])]
     return [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
 
 
-def emulate_prep(text, args, want_qg=True, ctas=None, l2norm=False):
+def _bits(x):
+    return x.contiguous().view(torch.uint8)
+
+
+class _InBoundsCTA(WyCTA):
+    """WyCTA whose every global access (ld / st, a cp.async's source bytes) must lie inside one of
+    `ranges`, the tensors' own bytes [base, base + nbytes) (the emulated memory pads each tensor to
+    4 KiB: a read past a tensor's end would otherwise go unseen)."""
+
+    ranges = ()
+
+    def _inside(self, addr, nbytes):
+        if not any(lo <= addr and addr + nbytes <= hi for lo, hi in self.ranges):
+            raise IndexError(f"global access outside every tensor: {addr:#x} + {nbytes}")
+
+    def load(self, space, addr, nbytes):
+        if space != "shared":
+            self._inside(addr, nbytes)
+        return super().load(space, addr, nbytes)
+
+    def store(self, space, addr, nbytes, val):
+        if space != "shared":
+            self._inside(addr, nbytes)
+        return super().store(space, addr, nbytes, val)
+
+    def _cp_land(self, group):
+        for _, src, _, srcbytes in group:
+            if srcbytes:
+                self._inside(src, srcbytes)
+        return super()._cp_land(group)
+
+
+def emulate_prep(text, args, want_qg=True, ctas=None, l2norm=False, table=None):
     """Run kda_cute_prep's PTX on CPU for `args` = (q, k, v, g, beta, A_log, dt_bias, lower_bound,
     use_gate_in_kernel) (`prep_inputs`' list; the scale is compiled in): (gk, w, u, qg, kg, Aqk,
     Akk), and with l2norm (a kernel compiled with it, q and k raw) also q, k normalized, q_rstd,
     k_rstd. `ctas`: the (chunk, hv, b) CTAs to run (default every one); other chunks' outputs stay
-    NaN. Without l2norm the kernel's q_n / k_n slots (q, k stand in) must come back unchanged."""
+    NaN. Without l2norm the kernel's q_n / k_n slots (q, k stand in) must come back unchanged, and
+    so must every input and every other stand-in.
+
+    `table` (the varlen build: args the packed row [1, T_raw, ...], table int32 [NT, 2]): the
+    outputs on the padded row [1, 64 NT, ...], then the padded copies q_p, k_p, v_p, g_p (None
+    without the gate in the op), beta_p, all NaN-poisoned first; every global access must stay
+    inside the tensors' own bytes (`_InBoundsCTA`)."""
     from kda_cute import prep
 
     q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
-    outs = prep._outputs(q, v, want_qg, l2norm)
-    ctas = _poisoned_grid(outs, v, ctas)
-    cfg = prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in, 1.0, want_qg, l2norm)
-    tensors = list(prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs))
+    cfg, tensors, result = prep._plan(q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in, 1.0, want_qg,
+                                      l2norm, table)
+    ctas = _poisoned_grid(result, v, ctas, table)
+    tensors = list(tensors)
     if not want_qg:  # the launch passes kg's storage there; here a poisoned buffer of its own
-        tensors[9] = torch.full_like(outs[4], float("nan"))
-    got = run_grid(wy_program(text), tensors, ctas, WyCTA, prep.THREADS)
-    w, u, qg, kg, aqk, akk, gk = got[7:14]
+        tensors[9] = torch.full_like(result[4], float("nan"))
+    # slots the kernel must leave as they are: the inputs, and the stand-ins of this build
+    keep = [0, 1, 2, 3, 4, 5, 6]
+    if not l2norm and table is None:
+        keep += [14, 15]
     if not l2norm:
-        assert torch.equal(got[14], q) and torch.equal(got[15], k), "q / k stand-ins written"
-        return gk, w, u, qg, kg, aqk, akk
-    return (gk, w, u, qg, kg, aqk, akk, *got[14:18])
+        keep += [16, 17]
+    keep += [18] if table is not None else [18, 19, 20, 21]
+    if table is not None and not gate_in:
+        keep += [20]
+    cta_cls = WyCTA
+    if table is not None:
+        _, bases = global_memory(tensors)
+        ranges = tuple((b, b + t.numel() * t.element_size()) for t, b in zip(tensors, bases, strict=True))
+        cta_cls = type("PrepCTA", (_InBoundsCTA,), {"ranges": ranges})
+    got = run_grid(wy_program(text), tensors, ctas, cta_cls, prep.THREADS)
+    for i in keep:
+        assert torch.equal(_bits(got[i]), _bits(tensors[i])), f"kernel argument {i} (read-only) was written"
+    w, u, qg, kg, aqk, akk, gk = got[7:14]
+    outs = (gk, w, u, qg, kg, aqk, akk, *(got[14:18] if l2norm else ()))
+    if table is None:
+        return outs
+    qp, kp = got[14:16]
+    gp = got[20] if gate_in else None
+    return (*outs, qp, kp, got[19], gp, got[21])
 
 
 def prep_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtype=None, gmin=-0.3, seed=0,

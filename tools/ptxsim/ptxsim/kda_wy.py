@@ -10,12 +10,17 @@ dh) as two int32, the batch stride.
 `wy_inputs(...)` makes random inputs of the contract's shapes and dtypes (never zeros: gates a
 chunk-local log2 cumsum of negative steps, Akk unit lower triangular plus noise as the WY
 inverse is, beta in (0, 1)). kda_cute is imported inside the functions only.
+`emulate_bwd_chunk` runs kda_cute_bwd_chunk the same way, its varlen build (a chunk table) with
+each packed-row output between poisoned guard rows (`_run_guarded`).
 """
 
 import torch
 
 from .ext_wy import WyCTA, wy_program
 from .launch import run_grid
+from .memory import global_memory, readback
+
+GUARD = 64  # rows of poison either side of a varlen build's packed-row outputs
 
 THREADS = 512
 
@@ -71,12 +76,44 @@ def wy_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtyp
     return [q, k, v, v_new, gk.contiguous(), beta, Akk, h, do, dh, dv]
 
 
-def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=None):
+def _run_guarded(prog, tensors, guarded, ctas, prefetch_ok):
+    """run_grid, but each tensor at an index of `guarded` ([1, R, ...], poisoned) lies in memory
+    between GUARD poisoned rows on either side (the kernel gets the pointer to its row 0 and its
+    own extents); asserts every guard row's bytes came back unchanged (nothing written outside)."""
+    laid = list(tensors)
+    for i in guarded:
+        t = tensors[i]
+        pad = t[:, :1].expand(1, GUARD, *t.shape[2:])
+        laid[i] = torch.cat([pad, t, pad], 1)
+    gmem, bases = global_memory(laid)
+    params = {}
+    for i, ((name, _size), t, base) in enumerate(zip(prog.params, tensors, bases, strict=True)):
+        off = GUARD * t[0, 0].numel() * t.element_size() if i in guarded else 0
+        params[(name, 0)] = base + off
+        params[(name, 8)] = (t.shape[1] << 32) | t.shape[0]
+        params[(name, 16)] = t.stride(0)
+    for cta in ctas:
+        WyCTA(prog, gmem, params, cta, ntid=THREADS, prefetch_ok=prefetch_ok(cta, bases)).run()
+    got = [readback(gmem, t, base) for t, base in zip(laid, bases, strict=True)]
+    for i in guarded:
+        before, after = laid[i].view(torch.uint8), got[i].view(torch.uint8)
+        R = tensors[i].shape[1]
+        for lo, hi in ((0, GUARD), (GUARD + R, R + 2 * GUARD)):
+            assert torch.equal(before[:, lo:hi], after[:, lo:hi]), f"tensor {i}: written outside its rows"
+        got[i] = got[i][:, GUARD:GUARD + R].contiguous()
+    return got
+
+
+def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=None, table=None, T_raw=None):
     """Run kda_cute_bwd_chunk's PTX (kda_cute.bwd_chunk: wy_dqkg's class with fused=True) on CPU
     for the same eleven `args` (and `rstd` = (q_rstd, k_rstd) for the l2norm build; `gate` = dict
     of bwd_chunk's g, A_log, dt_bias, lower_bound for the gate build): returns (dq, dk, dv2, db,
     dg), NaN-poisoned first, and with the gate also the per-chunk partials (dA_log [B, NT, HV],
-    ddt_bias [B, NT, HV, K] or None) as the kernel wrote them. `ctas` as in emulate_wy_dqkg."""
+    ddt_bias [B, NT, HV, K] or None) as the kernel wrote them. `ctas` as in emulate_wy_dqkg.
+    With a chunk `table` (and T_raw: the varlen build, its PTX compiled with them) the five
+    outputs are the packed row's [1, T_raw, ...], each laid between poisoned guard rows that must
+    come back unchanged; its CTAs run by default in descending chunk order, so that a store past a
+    chunk's valid rows (into the next sequence's) would land after that chunk's own and show."""
     from kda_cute import bwd_chunk
 
     v = args[2]
@@ -84,12 +121,14 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
     prog = wy_program(text)
     gate = gate or {}
     _, outs, parts, tensors = bwd_chunk._prepare(*args[:11], 1.0, emit_bf16, *(rstd or (None, None)),
-                                                 **gate)
+                                                 **gate, table=table, T_raw=T_raw)
     for t in (*outs, *(parts or ())):
         if t is not None:
             t.fill_(float("nan"))
     if ctas is None:
         ctas = [(tx, hy, bz) for bz in range(B) for hy in range(HV) for tx in range(T // 64)]
+        if table is not None:
+            ctas.sort(key=lambda c: -c[0])
     H = args[0].shape[2]
 
     def rows_of(tx, hy, bz, bases):
@@ -109,8 +148,12 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
                 out.append((lo, lo + row))
         return out
 
-    got = run_grid(prog, list(tensors), ctas, WyCTA, THREADS, prefetch_ok=lambda c, bases: rows_of(*c, bases))
     n = len(args)
+    ok = lambda c, bases: rows_of(*c, bases)  # noqa: E731
+    if table is None:
+        got = run_grid(prog, list(tensors), ctas, WyCTA, THREADS, prefetch_ok=ok)
+    else:
+        got = _run_guarded(prog, tensors, range(n, n + 5), ctas, ok)
     if parts is None:
         return got[n:n + 5]
     dbias = got[n + 11] if gate.get("dt_bias") is not None else None

@@ -1,0 +1,152 @@
+"""kda_cute_bwd_chunk's varlen build (a chunk table: packed sequences) writes its gradients on the
+packed row, bit for bit the padded-row build's at the corresponding rows, and nothing else (CPU).
+
+Packed sequences of lengths 1, 63, 64, 65, 3 (T_raw = 196, six chunks on the padded row, T_pad =
+384; chunk valid rows 1, 63, 64, 64, 1, 3). The inputs are random on every padded row, the pad rows
+included (the kernel never stores a pad row's gradient, which is what is tested; the chain's pad
+rows are no-op tokens besides). The interpreter (ptxsim.kda_wy.emulate_bwd_chunk) runs the varlen
+build's PTX with each packed-row output between poisoned guard rows (asserted unchanged) and its
+CTAs in descending chunk order, so a store past a chunk's valid rows (into the next sequence's
+rows) would land after that chunk's own stores and show; then the build without the table on
+the same padded inputs. Checked: (1) every packed row of a chunk that ran equals, bit for bit,
+the padded build's output at its padded row (`index`); (2) every other packed row is still
+poisoned, and with every chunk run (the emit_bf16 build) no row is. Builds: emit_bf16, l2norm,
+the gate (softplus, dt_bias; its per-chunk partials bit for bit too), fp32 dq / dk with GVA.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+C = pytest.importorskip("kda_cute.bwd_chunk")
+from kda_chain.varlen import packing  # noqa: E402
+from ptxsim.kda_wy import emulate_bwd_chunk, wy_inputs  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("sm90a")
+
+NAMES = ("dq", "dk", "dv2", "db", "dg")
+SCALE = 128**-0.5
+LENS = (1, 63, 64, 65, 3)
+
+
+def _layout():
+    """(the Packing, the chunk table int32 [NT, 2], T_raw) of LENS."""
+    off = [0]
+    for n in LENS:
+        off.append(off[-1] + n)
+    p = packing(torch.tensor(off, dtype=torch.int32), off)
+    pad = torch.zeros(p.T_pad, dtype=torch.int32)
+    pad[p.pad] = 1
+    table = torch.stack([p.source.view(-1, 64)[:, 0].to(torch.int32),
+                         64 - pad.view(-1, 64).sum(1, dtype=torch.int32)], 1).contiguous()
+    return p, table, off[-1]
+
+
+P, TABLE, T_RAW = _layout()
+
+
+def _check(ptx, a, ctas, **kw):
+    """The varlen build against the padded build on `a` (CTAs `ctas`, None: all): bit for bit at
+    every packed row of a chunk that ran, poison elsewhere. -> the two builds' results."""
+    emit = kw.pop("emit_bf16", False)
+    ckw = {"q_rstd": kw["rstd"][0], "k_rstd": kw["rstd"][1]} if "rstd" in kw else {}
+    ckw.update(kw.get("gate", {}))
+    text = ptx(C.compile_for(*a, SCALE, emit_bf16=emit, **ckw, keep_ptx=True, table=TABLE, T_raw=T_RAW))
+    assert "Varlen" in text.split(".entry", 1)[1].split("(", 1)[0]
+    assert ".local" not in text.split(".entry", 1)[1], "register arrays fell to local memory"
+    got = emulate_bwd_chunk(text, a, emit_bf16=emit, ctas=ctas, table=TABLE, T_raw=T_RAW, **kw)
+    base = emulate_bwd_chunk(ptx(C.compile_for(*a, SCALE, emit_bf16=emit, **ckw, keep_ptx=True)), a,
+                             emit_bf16=emit, ctas=ctas, **kw)
+    HV = a[2].shape[2]
+    run = torch.zeros(T_RAW, HV, dtype=torch.bool)  # (packed row, hv) some CTA that ran owns
+    for tx, hv, _ in ctas or [(c, h, 0) for c in range(TABLE.shape[0]) for h in range(HV)]:
+        r0, nv = TABLE[tx].tolist()
+        run[r0:r0 + nv, hv] = True
+    assert run.any()
+    for name, x, y in zip(NAMES, got[:5], base[:5], strict=True):
+        assert x.shape[:3] == (1, T_RAW, HV) and x.dtype == y.dtype, name
+        want = y[0, P.index]  # the padded build's rows, gathered to the packed row
+        x = x[0]
+        same = (x.view(torch.uint8) == want.view(torch.uint8)).reshape(T_RAW, HV, -1).all(-1)
+        nan = torch.isnan(x.float()).reshape(T_RAW, HV, -1).all(-1)
+        assert same[run].all(), f"{name}: not the padded build's at {(~same & run).nonzero()[:4].tolist()}"
+        stray = (~nan & ~run).nonzero()[:4].tolist()
+        assert nan[~run].all(), f"{name}: written at rows no CTA that ran owns: {stray}"
+        assert not nan[run].any(), name
+    return got, base
+
+
+def _inputs(HV=1, H=1, dtype=torch.bfloat16, seed=0, normalized=False):
+    a = wy_inputs(B=1, T=P.T_pad, H=H, HV=HV, V=64, dtype=dtype, seed=seed)
+    if normalized:  # the normalized q, k the chain passes with use_qk_l2norm_in_kernel
+        for i in (0, 1):
+            x = a[i].float()
+            a[i] = (x / x.norm(dim=-1, keepdim=True)).to(dtype)
+    return a
+
+
+def test_table_matches_the_packing():
+    assert TABLE.tolist() == [[0, 1], [1, 63], [64, 64], [128, 64], [192, 1], [193, 3]]
+    assert T_RAW == 196 and P.T_pad == 384
+
+
+def test_emit_bf16_every_chunk(ptx):
+    """The chain's build (HV == H, emit_bf16) over every chunk: every packed row written, by its
+    chunk only, bit for bit."""
+    got, _ = _check(ptx, _inputs(seed=1), None, emit_bf16=True)
+    assert got[0].dtype == torch.bfloat16
+    for name, x in zip(NAMES, got, strict=True):
+        assert not torch.isnan(x.float()).any(), f"{name}: a packed row left unwritten"
+
+
+def test_l2norm_build(ptx):
+    """The l2norm row pass: reads the rstds on the padded row, writes dq, dk on the packed row.
+    Chunks 5 (the last: 3 valid rows, 61 past the tensor's end) and 1 (63 valid: its pad row is
+    packed row 64, chunk 2's)."""
+    a = _inputs(seed=2, normalized=True)
+    g = torch.Generator().manual_seed(9)
+    rstd = tuple(torch.rand(1, P.T_pad, 1, generator=g) + 0.5 for _ in range(2))
+    _check(ptx, a, [(5, 0, 0), (1, 0, 0)], rstd=rstd)
+
+
+def test_gate_build(ptx):
+    """The gate row pass (softplus, dt_bias): reads the raw gate on the padded row, writes dg on
+    the packed row; the per-chunk dA_log / ddt_bias partials stay per padded chunk, bit for bit."""
+    a = _inputs(seed=3, normalized=True)
+    gen = torch.Generator().manual_seed(5)
+    B, T, HV, K = a[4].shape
+    g = (torch.randn(B, T, HV, K, generator=gen) * 3).to(torch.bfloat16)
+    A_log = torch.rand(HV, generator=gen) * 2 - 0.5
+    gate = dict(g=g, A_log=A_log, dt_bias=torch.randn(HV * K, generator=gen) * 0.5)
+    ctas = [(5, 0, 0), (1, 0, 0)]
+    got, base = _check(ptx, a, ctas, gate=gate)
+    assert got[4].dtype == torch.bfloat16
+    for name, x, y in zip(("dA_log", "ddt_bias"), got[5:], base[5:], strict=True):
+        for tx, hv, b in ctas:
+            x1, y1 = x[b, tx, hv:hv + 1], y[b, tx, hv:hv + 1]
+            assert torch.isfinite(x1).all() and torch.equal(x1.view(torch.uint8), y1.view(torch.uint8)), name
+
+
+def test_fp32_gva(ptx):
+    """dq, dk in fp32 (GVA: HV = 2H, no emit_bf16), fp16: chunks 4 (one valid row: the 65th of
+    its sequence), 3 (all 64) and 0 (one valid row, 63 pad rows over the next sequence's)."""
+    a = _inputs(HV=2, H=1, dtype=torch.float16, seed=4)
+    got, _ = _check(ptx, a, [(4, 0, 0), (3, 1, 0), (0, 1, 0)])
+    assert got[0].dtype == torch.float32
+
+
+def test_table_reasons():
+    v = wy_inputs(B=1, T=P.T_pad, H=1, HV=1, V=64)[2]
+    R = C._table_reason
+    assert R(v, None, None) is None
+    assert R(v, TABLE, T_RAW) is None
+    assert "goes with a chunk table" in R(v, None, T_RAW)
+    assert "T_raw" in R(v, TABLE, None)
+    assert "B == 1" in R(wy_inputs(B=2, T=64, H=1, HV=1, V=64)[2], TABLE[:1], 10)
+    assert "int32" in R(v, TABLE.long(), T_RAW)
+    assert "[NT, 2]" in R(v, TABLE[:5], T_RAW)
+    assert "contiguous" in R(v, TABLE.t().contiguous().t(), T_RAW)
+    assert "T_raw must be" in R(v, TABLE, P.T_pad + 1)
+    a = wy_inputs(B=1, T=P.T_pad, H=1, HV=1, V=64)
+    with pytest.raises(ValueError, match="unsupported call"):
+        C.bwd_chunk(*a, SCALE, table=TABLE)
