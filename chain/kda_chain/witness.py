@@ -11,6 +11,11 @@ backward, then prints
   reference `kda_cute.reference.chunk_kda_reference` (run on the same device), ours and fla's
   side by side.
 
+`--packed N` makes it a packed call (fla's varlen layout): the B*T tokens on one row of N
+sequences of seeded random lengths, `cu_seqlens` (and `cu_seqlens_cpu`) given, states per
+sequence; the reference runs per sequence (`chunk_kda_reference_packed`), and --require-cute also
+asks that the packed rows were read and written in place (`varlen_io` native).
+
 Accuracy verdict: with fla, ours must be within 2x fla's error (+1e-6), the GPU tests' rule;
 without fla, within a per-dtype bound (TOLERANCE). Exit status: 0 fine; 1 --require-cute and one
 of the CuTe stages (kda_cute.registry: fwd, b1, dhu, intra today) fell back; 2 accuracy check
@@ -29,7 +34,7 @@ import time
 
 import torch
 from kda_cute import registry
-from kda_cute.reference import chunk_kda_reference, rel_err
+from kda_cute.reference import chunk_kda_reference, chunk_kda_reference_packed, rel_err
 from kda_witness import Results, WitnessError, expect, profile
 
 from .api import chunk_kda
@@ -88,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=at_least(1), default=5,
                    help="timed calls after one warm-up, median reported (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--packed", type=at_least(1), default=None, metavar="N",
+                   help="a packed call: the B*T tokens as one row of N sequences of seeded random "
+                   "lengths, with cu_seqlens (default: off)")
     p.add_argument("--require-cute", action="store_true",
                    help=f"exit 1 if any of the stages {', '.join(CUTE_STAGES)} did not run its CuTe kernel")
     p.add_argument("--trace", metavar="FILE",
@@ -101,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, val)
     if args.HV % args.H:
         p.error(f"--HV {args.HV} must be a multiple of --H {args.H}")
+    if args.packed is not None and args.packed > args.B * args.T:
+        p.error(f"--packed {args.packed}: more sequences than the B*T = {args.B * args.T} tokens")
     if args.trace:
         check_output_file(p, "--trace", args.trace)
     args.dtype = DTYPES[args.dtype]
@@ -132,7 +142,51 @@ def make_inputs(a: argparse.Namespace, device: str) -> tuple[dict, dict, dict]:
     cot = {"do": rnd(a.B, a.T, a.HV, a.V)}
     if a.final_state:
         cot["dht"] = rnd(a.B, a.HV, a.K, a.V, dtype=torch.float32)
+    if a.packed:
+        return _packed(a, x, flags, cot, device)
     return x, flags, cot
+
+
+def _packed(a: argparse.Namespace, x: dict, flags: dict, cot: dict, device: str) -> tuple[dict, dict, dict]:
+    """`make_inputs`' tensors as one packed row of a.packed sequences (lengths: N - 1 distinct cut
+    points of the B*T tokens, seeded), states [N, ...], cu_seqlens on the device and the host."""
+    N, total = a.packed, a.B * a.T
+    cuts = torch.randperm(total - 1, generator=torch.Generator().manual_seed(a.seed))[:N - 1] + 1
+    offs = torch.tensor([0, *sorted(cuts.tolist()), total], dtype=torch.int32)
+    per_token = {"q", "k", "v", "g", "beta", "do"}
+
+    def row(n, t):
+        if n in per_token:
+            return t.reshape(1, total, *t.shape[2:])
+        if n in ("initial_state", "dht"):  # one state per sequence
+            return torch.cat([t] * -(-N // a.B))[:N].contiguous()
+        return t
+
+    flags = dict(flags, cu_seqlens=offs.to(device), cu_seqlens_cpu=offs.long())
+    return ({n: row(n, t) for n, t in x.items()}, flags, {n: row(n, t) for n, t in cot.items()})
+
+
+def _reference(flags: dict):
+    """The float64 oracle for these chunk_kda flags: the chain, or per sequence for a packed call."""
+    if "cu_seqlens" not in flags:
+        return chunk_kda_reference, flags
+    rest = {n: f for n, f in flags.items() if n not in ("cu_seqlens", "cu_seqlens_cpu")}
+    offs = flags["cu_seqlens_cpu"].tolist()
+
+    def packed(q, k, v, g, beta, **kw):
+        return chunk_kda_reference_packed(q, k, v, g, beta, offs, **kw)
+
+    return packed, rest
+
+
+def first_packed(x: dict, flags: dict, cot: dict) -> tuple[dict, dict, dict]:
+    """A packed call's first sequence as a packed call of its own."""
+    L = int(flags["cu_seqlens_cpu"][1])
+    offs = torch.tensor([0, L], dtype=torch.int32)
+    one = {n: (t[:, :L] if n in ("q", "k", "v", "g", "beta", "do") else
+               t[:1] if n in ("initial_state", "dht") else t) for n, t in {**x, **cot}.items()}
+    flags = dict(flags, cu_seqlens=offs.to(flags["cu_seqlens"].device), cu_seqlens_cpu=offs.long())
+    return ({n: one[n] for n in x}, flags, {n: one[n] for n in cot})
 
 
 def fwd_bwd(fn, x: dict, flags: dict, cot: dict, dtype: torch.dtype | None = None) -> dict:
@@ -176,6 +230,8 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     shape = f"B{a.B} T{a.T} H{a.H} HV{a.HV} K{a.K} V{a.V} {str(a.dtype).removeprefix('torch.')}"
+    if a.packed:
+        shape += f" packed as {a.packed} sequences on one row"
     print(f"kda-witness: chunk_kda fwd+bwd at {shape}; gate_in_kernel={a.gate_in_kernel} "
           f"l2norm={a.l2norm} initial_state={a.initial_state} final_state={a.final_state} "
           f"disable_recompute={a.disable_recompute}")
@@ -226,18 +282,23 @@ def main(argv=None) -> int:
         print(f"  {fla_note}")
 
     where = "the whole batch"
-    if not a.check_full and a.B > 1 and a.B * a.T * a.HV * max(a.K, a.V) > CHECK_FULL_LIMIT:
+    big = a.B * a.T * a.HV * max(a.K, a.V) > CHECK_FULL_LIMIT
+    if not a.check_full and (a.B > 1 or a.packed) and big:
         where = "the first sequence (B=1; --check-full for all)"
-        x, cot = first_sequence(x, cot)
+        if a.packed:
+            x, flags, cot = first_packed(x, flags, cot)
+        else:
+            x, cot = first_sequence(x, cot)
         ours = fwd_bwd(chunk_kda, x, flags, cot)
         if fla is not None:
             fla = fwd_bwd(fla_kda, x, flags, cot)
     if cuda:  # the reference below is the memory peak at large shapes
         torch.cuda.empty_cache()
     progress(f"float64 reference on {where}")
-    ref_flags = {n: f for n, f in flags.items() if n != "disable_recompute"}  # no effect on the result
+    # (disable_recompute has no effect on the result)
+    ref_fn, ref_flags = _reference({n: f for n, f in flags.items() if n != "disable_recompute"})
     try:
-        ref = fwd_bwd(chunk_kda_reference, x, ref_flags, cot, dtype=torch.float64)
+        ref = fwd_bwd(ref_fn, x, ref_flags, cot, dtype=torch.float64)
     except torch.OutOfMemoryError:
         print(f"\nthe float64 reference ran out of {device} memory at this shape: accuracy NOT checked")
         return 2
@@ -264,7 +325,7 @@ def main(argv=None) -> int:
         print(f"\naccuracy: FAIL for {', '.join(bad)}")
         status = 2
     if a.require_cute:
-        problem = cute_problem(prof)
+        problem = cute_problem(prof, packed=bool(a.packed))
         if problem:
             print(f"\n--require-cute: FAIL\n{problem}")
             return 1
@@ -272,13 +333,20 @@ def main(argv=None) -> int:
     return status
 
 
-def cute_problem(res: Results) -> str | None:
+def cute_problem(res: Results, packed: bool = False) -> str | None:
     """Why the CuTe stages did not all run their kernels, or None. A stage another can compute in
     its one kernel (registry `replaces`: bwd_chunk's bwd_wy_dqkg, intra, l2norm_bwd, gate_bwd; fwd_prep's
-    l2norm_fwd) is not expected once that one ran its kernel; called anyway, it must run its own."""
+    l2norm_fwd) is not expected once that one ran its kernel; called anyway, it must run its own.
+    packed: a packed call, whose rows must also have been read and written in place (`varlen_io`)."""
     ran = {s for s in CUTE_STAGES if any(r.impl == "cute" for r in res.stage(s))}
     gone = {s for s in registry.replaced(ran) if not res.stage(s)}
     lines = []
+    if packed:
+        rows = res.stage("varlen_io")
+        if not rows:
+            lines.append("  varlen_io: no packed-row record (was the call packed?)")
+        lines += [f"  varlen_io -> {r.impl}: {r.reason} ({r.calls} calls)" for r in rows
+                  if r.impl != "native"]
     for stage in CUTE_STAGES:
         rows = res.stage(stage)
         if not rows and stage not in gone:

@@ -48,3 +48,23 @@ def test_cli_checks_the_first_sequence_at_large_shapes(monkeypatch, capsys):
     assert "the first sequence (B=1" in out and "FAIL" not in out
     assert main([*argv, "--check-full"]) == 0
     assert "the whole batch" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_cli_packed(monkeypatch, capsys):
+    """--packed: one row of N sequences with cu_seqlens, checked against the per-sequence float64
+    chain; --require-cute names the packed rows' gather (on CPU the CuTe prep cannot run); at a
+    large shape only the first sequence is checked, as a packed call of its own."""
+    import kda_chain.witness as cli
+
+    argv = ["--B", "2", "--T", "80", "--H", "1", "--HV", "2", "--K", "16", "--V", "16", "--reps", "1",
+            "--packed", "3", "--require-cute"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "packed as 3 sequences" in out and "FAIL for" not in out
+    assert "varlen_io -> gather: fwd_prep: cute: " in out
+    monkeypatch.setattr(cli, "CHECK_FULL_LIMIT", 1)
+    assert main(argv[:-1]) == 0
+    assert "the first sequence" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--B", "1", "--T", "4", "--packed", "5"])

@@ -455,3 +455,28 @@ def test_stages_match_fla(dtype):
     assert all(a == b for a, b in dtypes.values()), {k: d for k, d in dtypes.items() if d[0] != d[1]}
     tol = 1e-2 if dtype == torch.float32 else 3e-2
     assert all(e < tol for e in errs.values()), {k: e for k, e in errs.items() if not e < tol}
+
+
+def test_packed_chain_reference_is_the_recurrence_per_sequence():
+    """chunk_kda_reference_packed (the chunked chain once per sequence: the GPU tests' and the
+    witness's packed oracle) against the token recurrence over the packed row (naive_kda_varlen),
+    with a zero-length sequence, the gate and beta sigmoid in the op, initial and final states."""
+    from kda_cute.reference import chunk_kda_reference_packed, naive_kda_varlen
+
+    gen = torch.Generator().manual_seed(3)
+    D = torch.float64
+    lens = [5, 0, 70, 3, 64]
+    T, H, HV, K, V = sum(lens), 1, 2, 16, 8
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, dtype=D)
+
+    args = (r(1, T, H, K), r(1, T, H, K), r(1, T, HV, V), r(1, T, HV, K), r(1, T, HV))
+    flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 A_log=r(HV) * 0.5, dt_bias=r(HV * K) * 0.1, output_final_state=True)
+    h0 = r(len(lens), HV, K, V)
+    o, ht = chunk_kda_reference_packed(*args, cu, initial_state=h0, **flags)
+    o_n, ht_n = naive_kda_varlen(*args, torch.tensor(cu), initial_state=h0, **flags)
+    assert rel_err(o, o_n) < 1e-10 and rel_err(ht, ht_n) < 1e-10
+    assert torch.equal(ht[1], h0[1])

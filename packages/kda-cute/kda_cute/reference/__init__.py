@@ -5,7 +5,7 @@
 - `stages`: one function per stage of ARCHITECTURE.md, same names, arguments, layouts and output
   dtypes as the CuTe kernels and fla's functions; float64 in gives float64 out.
 - `chain`: the stages composed in fla's order, forward and backward, as an autograd Function
-  (`chunk_kda_reference`).
+  (`chunk_kda_reference`), and once per sequence for a packed call (`chunk_kda_reference_packed`).
 
 `rel_err` is the one error measure the reference and kernel tests share.
 """
@@ -18,6 +18,7 @@ from .chain import (
     chunk_kda_reference,
     chunk_kda_reference_bwd,
     chunk_kda_reference_fwd,
+    chunk_kda_reference_packed,
 )
 from .naive import (
     compute_dtype,
@@ -66,7 +67,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 __all__ = [
     'RCP_LN2', 'ChunkKDAReferenceFunction', 'KDASaved', 'beta_sigmoid_bwd', 'beta_sigmoid_fwd',
     'bwd_chunk', 'bwd_dAv', 'bwd_dhu', 'bwd_intra', 'bwd_prep', 'bwd_wy_dqkg', 'chunk_kda_reference',
-    'chunk_kda_reference_bwd',
+    'chunk_kda_reference_bwd', 'chunk_kda_reference_packed',
     'chunk_kda_reference_fwd', 'chunk_local_cumsum', 'compute_dtype', 'dg_cumsum', 'fwd_h',
     'fwd_intra', 'fwd_o', 'fwd_prep', 'fwd_scan', 'gate_bwd', 'gate_chunk_cumsum', 'gva_sum', 'l2norm_bwd',
     'l2norm_fwd', 'naive_gate', 'naive_kda', 'naive_kda_varlen', 'naive_l2norm', 'naive_recurrent_kda',

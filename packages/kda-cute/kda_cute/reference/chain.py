@@ -214,3 +214,26 @@ def chunk_kda_reference(
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
         lower_bound, chunk_size,
     )
+
+
+def chunk_kda_reference_packed(q, k, v, g, beta, cu_seqlens: list[int], initial_state=None,
+                               output_final_state: bool = False, **flags):
+    """`chunk_kda_reference` of a packed call (fla's varlen layout: [1, total_T, ...], N + 1 token
+    offsets `cu_seqlens` as a host list, states [N, HV, K, V]): the chain once per sequence from its
+    own initial state, o concatenated, ht stacked (differentiable). A sequence of length 0 passes
+    its state through (zeros without initial_state)."""
+    outs, hts = [], []
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    for n in range(len(cu_seqlens) - 1):
+        a, b = cu_seqlens[n], cu_seqlens[n + 1]
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        if a == b:
+            outs.append(v[:, :0].to(q.dtype))
+            st = torch.float64 if q.dtype == torch.float64 else torch.float32  # (ht's dtype, as fla's)
+            hts.append(v.new_zeros(1, HV, K, V, dtype=st) if h0 is None else h0.to(st) * 1)
+            continue
+        o, ht = chunk_kda_reference(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                    initial_state=h0, output_final_state=True, **flags)
+        outs.append(o)
+        hts.append(ht)
+    return torch.cat(outs, 1), (torch.cat(hts, 0) if output_final_state else None)
