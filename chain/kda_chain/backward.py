@@ -154,17 +154,14 @@ def _chunk_parallel(wy_in: list, dh0, dAqk, s: Saved, f: Flags):
     if f.use_gate_in_kernel and s.A_log is not None:  # fla's gate backward of dg too, inside
         gate_kw = dict(g=s.g, A_log=s.A_log, dt_bias=s.dt_bias, lower_bound=f.lower_bound)
     p = s.packing
-    if p is not None and _folds_all(f, HV == H, gate_kw):
-        # the gradients straight onto the packed row (kda_cute_bwd_chunk through the chunk table):
-        # nothing after the kernel reads them on the padded row (l2norm_bwd and gate_bwd folded)
-        packed_kw = dict(table=p.table, T_raw=p.T)
-        impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw, **packed_kw)
-        if impl.name == "cute":
-            kw.update(packed_kw)
-        else:
-            why = f"bwd_chunk: {reason}"
-    elif p is not None:
-        why = "bwd_chunk cannot fold l2norm_bwd (GVA) or gate_bwd here"
+    if p is not None:  # the gradients straight onto the packed row (kda_cute_bwd_chunk, the chunk table)
+        packed_kw, why = _packed_outputs(f, HV == H, gate_kw, p)
+        if packed_kw is not None:
+            impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw, **packed_kw)
+            if impl.name == "cute":
+                kw.update(packed_kw)
+            else:
+                why = f"bwd_chunk: {reason}"
     if "table" not in kw:
         impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw)
     if impl.name != "cute" and gate_kw:  # the kernel may still take the call without the gate's part
@@ -202,10 +199,18 @@ def _chunk_parallel(wy_in: list, dh0, dAqk, s: Saved, f: Flags):
     return dq, dk, dv, dg, db, dA_log, ddt_bias, dh0
 
 
-def _folds_all(f: Flags, same_heads: bool, gate_kw: dict) -> bool:
-    """Does kda_cute_bwd_chunk finish every gradient here (l2norm_bwd folded: HV == H; gate_bwd
-    folded: its arguments given), so that nothing after it reads them on the padded row?"""
-    return (not f.use_qk_l2norm_in_kernel or same_heads) and (not f.use_gate_in_kernel or bool(gate_kw))
+def _packed_outputs(f: Flags, same_heads: bool, gate_kw: dict, p) -> tuple[dict | None, str | None]:
+    """kda_cute_bwd_chunk's keywords that write a packed call's gradients on the packed row, or
+    (None, why not): every stage after the kernel must take them there. gate_bwd must be folded
+    (it reads the raw gate on the padded row); l2norm_bwd with GVA runs after the kernel on the
+    padded normalized q, k, so there dq, dk stay on the padded row (`qk_padded`) and only they are
+    gathered after it."""
+    if f.use_gate_in_kernel and not gate_kw:
+        return None, "gate_bwd runs after bwd_chunk here"
+    kw = dict(table=p.table, T_raw=p.T)
+    if f.use_qk_l2norm_in_kernel and not same_heads:
+        kw["qk_padded"] = True
+    return kw, None
 
 
 def _wy_then_intra(wy_in: list, dAqk, s: Saved, f: Flags, emit_bf16):

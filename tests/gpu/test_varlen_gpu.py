@@ -4,7 +4,8 @@ varlen chunk_kda and a float64 oracle, end to end.
 The oracle is the float64 reference chain run once per sequence from its own initial state
 (`kda_cute.reference.chunk_kda_reference`, differentiated by autograd). Every output and gradient
 of ours must be within 2x fla's error of it (1e-6 absolute slack), finite, and the witness record
-must show the CuTe kernels of every stage (no fla scan, no whole-call fallback). Sequences of
+must show the CuTe kernels of every stage (no fla scan, no whole-call fallback) and the packed rows
+read and written in place (`varlen_io native`; with GVA and the L2 norm dq, dk are gathered). Sequences of
 length 1, 63, 64, 65 and longer, GVA and V 256, initial and final states; and a zero-length
 sequence (ours against the oracle alone). Errors go to $OUT/varlen_errors.json when $OUT is set.
 """
@@ -69,27 +70,11 @@ def _packed(chunk_kda):
 
 def _oracle(x, offs):
     """The float64 reference chain per sequence, o concatenated, ht stacked (differentiable)."""
-    from kda_cute.reference import chunk_kda_reference
+    from kda_cute.reference import chunk_kda_reference_packed
 
-    outs, hts = [], []
-    o_ = offs.tolist()
-    for n in range(len(o_) - 1):
-        a, b = o_[n], o_[n + 1]
-        h0 = x["initial_state"][n:n + 1] if "initial_state" in x else None
-        if a == b and h0 is None:
-            hts.append(x["v"].new_zeros(1, x["v"].shape[2], x["q"].shape[-1], x["v"].shape[-1]))
-            outs.append(x["v"][:, :0])
-            continue
-        if a == b:
-            outs.append(x["v"][:, :0])
-            hts.append(h0 * 1)
-            continue
-        o, ht = chunk_kda_reference(x["q"][:, a:b], x["k"][:, a:b], x["v"][:, a:b], x["g"][:, a:b],
-                                    x["beta"][:, a:b], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                    initial_state=h0, **FLAGS)
-        outs.append(o)
-        hts.append(ht)
-    return torch.cat(outs, 1), torch.cat(hts, 0)
+    return chunk_kda_reference_packed(x["q"], x["k"], x["v"], x["g"], x["beta"], offs.tolist(),
+                                      initial_state=x.get("initial_state"), A_log=x["A_log"],
+                                      dt_bias=x["dt_bias"], **FLAGS)
 
 
 def _errors(ours, ref, other=None):
@@ -122,6 +107,8 @@ def test_varlen_within_2x_of_fla_error(case):
     ours = _run(_packed(chunk_kda), x, cot, offs)
     log = dispatch_log()
     stages = {c.stage: (c.impl, c.reason) for c in log}
+    # the packed rows read by kda_cute_prep and written by kda_cute_bwd_chunk (with GVA and the L2
+    # norm in the op dq, dk only are gathered, after l2norm_bwd)
     rows_io = [(c.impl, c.reason) for c in log if c.stage == "varlen_io"]
     assert rows_io == [("native", None)] * 2, f"packed rows gathered: {rows_io}"
     fla = _run(_packed(fla_kda), x, cot, offs)

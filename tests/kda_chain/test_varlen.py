@@ -206,7 +206,8 @@ def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva):
     table for the packed gradients: only o and do are gathered (two row gathers, none of the
     inputs or gradients), the record says `varlen_io native` for both directions, and every
     gradient comes out on the packed row in its input's form. With GVA and the L2 norm in the op
-    (l2norm_bwd not folded into bwd_chunk) the gradients are gathered back, with that reason."""
+    (l2norm_bwd runs after bwd_chunk, on the padded row) dq and dk stay there (`qk_padded`) and
+    are the only gradients gathered back."""
     pytest.importorskip("cutlass.cute")
     from kda_chain import stages as S
     from kda_chain import varlen
@@ -222,7 +223,8 @@ def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva):
         mod = __import__(f"kda_cute.{name}", fromlist=["launch"])
         launch = mod.launch_raw if name == "bwd_chunk" else mod.launch
         monkeypatch.setattr(mod, launch.__name__, lambda *a, _f=launch, _n=name, **k:
-                            tables.append((_n, k.get("table") is not None)) or _f(*a, **k))
+                            tables.append((_n, k.get("table") is not None, k.get("qk_padded", False)))
+                            or _f(*a, **k))
     gen = torch.Generator().manual_seed(0)
     lens = [1, 63, 64, 65, 200]
     H, HV, K, V = 16, (32 if gva else 16), 128, 128
@@ -244,10 +246,7 @@ def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva):
         assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
     assert A_log.grad.shape == A_log.shape and dt_bias.grad.shape == dt_bias.shape
     T_pad = 64 * sum(-(-n // 64) for n in lens)
-    if not gva:
-        assert io == [("native", None), ("native", None)], io
-        assert tables == [("prep", True), ("bwd_chunk", True)], tables
-        assert gathers == [(1, T_pad, HV, V), (1, T, HV, V)], "only o out and do in are gathered"
-    else:
-        assert io[0] == ("native", None) and io[1][0] == "gather" and "l2norm_bwd" in io[1][1], io
-        assert tables == [("prep", True), ("bwd_chunk", False)], tables
+    assert io == [("native", None), ("native", None)], io
+    assert tables == [("prep", True, False), ("bwd_chunk", True, gva)], tables
+    qk = [(1, T_pad, H, K)] * 2 if gva else []  # dq, dk after l2norm_bwd's group sum
+    assert gathers == [(1, T_pad, HV, V), (1, T, HV, V), *qk], "o out, do in (and dq, dk) only"

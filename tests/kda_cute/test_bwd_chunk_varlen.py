@@ -11,7 +11,9 @@ rows) would land after that chunk's own stores and show; then the build without 
 the same padded inputs. Checked: (1) every packed row of a chunk that ran equals, bit for bit,
 the padded build's output at its padded row (`index`); (2) every other packed row is still
 poisoned, and with every chunk run (the emit_bf16 build) no row is. Builds: emit_bf16, l2norm,
-the gate (softplus, dt_bias; its per-chunk partials bit for bit too), fp32 dq / dk with GVA.
+the gate (softplus, dt_bias; its per-chunk partials bit for bit too), fp32 dq / dk with GVA; and
+with qk_padded (dq, dk on the padded row: each CTA's 64 padded rows bit for bit the padded
+build's, every other padded row still poisoned; dv2, db, dg as above): fp32 GVA, the gate with GVA.
 """
 
 import pytest
@@ -45,34 +47,41 @@ def _layout():
 P, TABLE, T_RAW = _layout()
 
 
-def _check(ptx, a, ctas, **kw):
+def _check(ptx, a, ctas, qk_padded=False, **kw):
     """The varlen build against the padded build on `a` (CTAs `ctas`, None: all): bit for bit at
-    every packed row of a chunk that ran, poison elsewhere. -> the two builds' results."""
+    every packed row of a chunk that ran, poison elsewhere (qk_padded: dq, dk at every padded row
+    of a chunk that ran). -> the two builds' results."""
     emit = kw.pop("emit_bf16", False)
     ckw = {"q_rstd": kw["rstd"][0], "k_rstd": kw["rstd"][1]} if "rstd" in kw else {}
     ckw.update(kw.get("gate", {}))
-    text = ptx(C.compile_for(*a, SCALE, emit_bf16=emit, **ckw, keep_ptx=True, table=TABLE, T_raw=T_RAW))
+    vl = dict(table=TABLE, T_raw=T_RAW, **({"qk_padded": True} if qk_padded else {}))
+    text = ptx(C.compile_for(*a, SCALE, emit_bf16=emit, **ckw, keep_ptx=True, **vl))
     assert "Varlen" in text.split(".entry", 1)[1].split("(", 1)[0]
     assert ".local" not in text.split(".entry", 1)[1], "register arrays fell to local memory"
-    got = emulate_bwd_chunk(text, a, emit_bf16=emit, ctas=ctas, table=TABLE, T_raw=T_RAW, **kw)
+    got = emulate_bwd_chunk(text, a, emit_bf16=emit, ctas=ctas, **vl, **kw)
     base = emulate_bwd_chunk(ptx(C.compile_for(*a, SCALE, emit_bf16=emit, **ckw, keep_ptx=True)), a,
                              emit_bf16=emit, ctas=ctas, **kw)
     HV = a[2].shape[2]
     run = torch.zeros(T_RAW, HV, dtype=torch.bool)  # (packed row, hv) some CTA that ran owns
+    runp = torch.zeros(P.T_pad, HV, dtype=torch.bool)  # (padded row, hv) the same
     for tx, hv, _ in ctas or [(c, h, 0) for c in range(TABLE.shape[0]) for h in range(HV)]:
         r0, nv = TABLE[tx].tolist()
         run[r0:r0 + nv, hv] = True
+        runp[tx * 64:tx * 64 + 64, hv] = True
     assert run.any()
     for name, x, y in zip(NAMES, got[:5], base[:5], strict=True):
-        assert x.shape[:3] == (1, T_RAW, HV) and x.dtype == y.dtype, name
-        want = y[0, P.index]  # the padded build's rows, gathered to the packed row
+        padded = qk_padded and name in ("dq", "dk")
+        R = P.T_pad if padded else T_RAW
+        assert x.shape[:3] == (1, R, HV) and x.dtype == y.dtype, name
+        own = runp if padded else run
+        want = y[0] if padded else y[0, P.index]  # the padded build's rows (gathered to the packed row)
         x = x[0]
-        same = (x.view(torch.uint8) == want.view(torch.uint8)).reshape(T_RAW, HV, -1).all(-1)
-        nan = torch.isnan(x.float()).reshape(T_RAW, HV, -1).all(-1)
-        assert same[run].all(), f"{name}: not the padded build's at {(~same & run).nonzero()[:4].tolist()}"
-        stray = (~nan & ~run).nonzero()[:4].tolist()
-        assert nan[~run].all(), f"{name}: written at rows no CTA that ran owns: {stray}"
-        assert not nan[run].any(), name
+        same = (x.view(torch.uint8) == want.view(torch.uint8)).reshape(R, HV, -1).all(-1)
+        nan = torch.isnan(x.float()).reshape(R, HV, -1).all(-1)
+        assert same[own].all(), f"{name}: not the padded build's at {(~same & own).nonzero()[:4].tolist()}"
+        stray = (~nan & ~own).nonzero()[:4].tolist()
+        assert nan[~own].all(), f"{name}: written at rows no CTA that ran owns: {stray}"
+        assert not nan[own].any(), name
     return got, base
 
 
@@ -109,22 +118,30 @@ def test_l2norm_build(ptx):
     _check(ptx, a, [(5, 0, 0), (1, 0, 0)], rstd=rstd)
 
 
-def test_gate_build(ptx):
-    """The gate row pass (softplus, dt_bias): reads the raw gate on the padded row, writes dg on
-    the packed row; the per-chunk dA_log / ddt_bias partials stay per padded chunk, bit for bit."""
-    a = _inputs(seed=3, normalized=True)
+def _gate(a):
+    """The softplus gate's g (bf16), A_log, dt_bias for inputs `a`."""
     gen = torch.Generator().manual_seed(5)
     B, T, HV, K = a[4].shape
     g = (torch.randn(B, T, HV, K, generator=gen) * 3).to(torch.bfloat16)
     A_log = torch.rand(HV, generator=gen) * 2 - 0.5
-    gate = dict(g=g, A_log=A_log, dt_bias=torch.randn(HV * K, generator=gen) * 0.5)
-    ctas = [(5, 0, 0), (1, 0, 0)]
-    got, base = _check(ptx, a, ctas, gate=gate)
+    return dict(g=g, A_log=A_log, dt_bias=torch.randn(HV * K, generator=gen) * 0.5)
+
+
+def _check_gate(ptx, a, ctas, **kw):
+    """_check on the softplus gate build, and its per-chunk partials bit for bit."""
+    got, base = _check(ptx, a, ctas, gate=_gate(a), **kw)
     assert got[4].dtype == torch.bfloat16
     for name, x, y in zip(("dA_log", "ddt_bias"), got[5:], base[5:], strict=True):
         for tx, hv, b in ctas:
             x1, y1 = x[b, tx, hv:hv + 1], y[b, tx, hv:hv + 1]
             assert torch.isfinite(x1).all() and torch.equal(x1.view(torch.uint8), y1.view(torch.uint8)), name
+    return got
+
+
+def test_gate_build(ptx):
+    """The gate row pass (softplus, dt_bias): reads the raw gate on the padded row, writes dg on
+    the packed row; the per-chunk dA_log / ddt_bias partials stay per padded chunk, bit for bit."""
+    _check_gate(ptx, _inputs(seed=3, normalized=True), [(5, 0, 0), (1, 0, 0)])
 
 
 def test_fp32_gva(ptx):
@@ -133,6 +150,43 @@ def test_fp32_gva(ptx):
     a = _inputs(HV=2, H=1, dtype=torch.float16, seed=4)
     got, _ = _check(ptx, a, [(4, 0, 0), (3, 1, 0), (0, 1, 0)])
     assert got[0].dtype == torch.float32
+
+
+def test_qk_padded_fp32_gva(ptx):
+    """qk_padded (GVA, fp32 dq / dk per value head, fp16): dq, dk [1, T_pad, HV, K] at every
+    padded row of chunks 5 (3 valid rows) and 1 (63 valid), pad rows included; dv2, db, dg packed."""
+    a = _inputs(HV=2, H=1, dtype=torch.float16, seed=6)
+    got, _ = _check(ptx, a, [(5, 1, 0), (1, 0, 0)], qk_padded=True)
+    assert got[0].dtype == torch.float32 and got[0].shape == (1, P.T_pad, 2, 128)
+    assert got[2].shape[1] == T_RAW
+
+
+def test_qk_padded_gate_gva(ptx):
+    """qk_padded with the gate in the op (softplus, dt_bias; GVA HV = 2H, bf16): dq, dk on the
+    padded row, dg in g's dtype on the packed row, the partials bit for bit. Chunks 0 (1 valid
+    row, 63 pad rows over the next sequence's) and 5 (3 valid: 61 past the packed row's end)."""
+    got = _check_gate(ptx, _inputs(HV=2, H=1, seed=7), [(0, 1, 0), (5, 0, 0)], qk_padded=True)
+    assert got[0].shape == (1, P.T_pad, 2, 128) and got[4].shape == (1, T_RAW, 2, 128)
+
+
+def test_qk_padded_outputs_and_reasons(monkeypatch):
+    """qk_padded's allocation (dq, dk padded, the rest packed), its compile key and its reasons
+    (is_supported with the device check stubbed: no GPU here)."""
+    a = wy_inputs(B=1, T=P.T_pad, H=1, HV=2, V=64)
+    cfg, outs, _, _ = C._prepare(*a, SCALE, table=TABLE, T_raw=T_RAW, qk_padded=True)
+    assert [tuple(t.shape[:2]) for t in outs] == [(1, P.T_pad)] * 2 + [(1, T_RAW)] * 3
+    assert cfg.varlen and cfg.qk_padded
+    assert cfg != C._prepare(*a, SCALE, table=TABLE, T_raw=T_RAW)[0]  # part of the compile key
+    assert not C._prepare(*a, SCALE, qk_padded=True)[0].qk_padded  # only with varlen
+    monkeypatch.setattr(C._wy, "_hard_reason", lambda *args: None)
+    assert C.is_supported(*a, SCALE, table=TABLE, T_raw=T_RAW, qk_padded=True) is None
+    assert "goes with a chunk table" in C.is_supported(*a, SCALE, qk_padded=True)
+    rstd = torch.rand(1, P.T_pad, 1) + 0.5  # (the rstds' own check wants a GPU: the table's reason)
+    assert C._table_reason(a[2], TABLE, T_RAW, False, rstd) is None
+    r = C._table_reason(a[2], TABLE, T_RAW, True, rstd)
+    assert "not with q_rstd" in r and "\n" not in r
+    with pytest.raises(ValueError, match="unsupported call: qk_padded"):
+        C.bwd_chunk(*a, SCALE, qk_padded=True)
 
 
 def test_table_reasons():

@@ -16,6 +16,8 @@ kernel class supplies K, io_dtype, fold_dg, pf and the thread map
 memory (db among them) are written, and the fold's fix-up re-reads them, only at rows < nv (the
 caller's views start at the chunk's first packed row; the rows past nv belong to another chunk's
 sequence or lie past the tensor's end). An out in smem is written at every row as without it.
+`qk_all` (that build's qk_padded: dq, dk stay on the padded row) exempts the dq / dk outs: every
+row written, as without nv; dg and db still take the predicate.
 """
 
 import functools
@@ -91,11 +93,11 @@ def _build_walk_class():
 
         @cute.jit
         def intra_walk(self, tidx, sQ, sK, sG, sAq, sAk, sBeta, sDbp, sStage, cDqi, cDki, cDgi, cDq, cDk,
-                       cDg, gDbi, gDb, RS: cutlass.Constexpr, nv=None):
+                       cDg, gDbi, gDb, RS: cutlass.Constexpr, nv=None, qk_all: cutlass.Constexpr = False):
             """One CTA's walk over its chunk once the smem operands are in place (behind a barrier).
             RS: the row stride of the incoming column views in global memory (their rows are pulled
             into L2 ahead of the walk), or 0 when they live in smem. nv: the valid rows of a varlen
-            chunk (module docstring), or None: every row."""
+            chunk (module docstring), or None: every row; qk_all: dq, dk at every row even so."""
             K = self.K
             io = self.io_dtype
             QS, GS, AS = self.qs, self.gs, self.as_
@@ -122,6 +124,8 @@ def _build_walk_class():
             # varlen: which outs are stored only at rows < nv (those not in smem)
             pq, pk, pg, pb = (nv is not None and t.memspace != cute.AddressSpace.smem
                               for t in (cDq, cDk, cDg, gDb))
+            if cutlass.const_expr(qk_all):  # (qk_padded: dq, dk on the padded row, all 64 rows)
+                pq = pk = False
 
             grp = tidx // K  # warp-uniform
             d = tidx % K

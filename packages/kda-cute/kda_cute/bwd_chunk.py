@@ -34,6 +34,11 @@ factors (gk, Akk), every gradient of the chunk-parallel backward:
         so the chain gathers no gradient back. The arithmetic is the padded build's: each packed
         row bit for bit its padded row's. The gate's partials stay per padded chunk. A kernel of
         its own (wy_dqkg's `_Varlen`): the build without a table is unchanged, PTX and all
+    with a table and qk_padded=True (GVA with the L2 norm in the op: the chain's l2norm_bwd runs
+        after this kernel on the padded row, on the padded normalized q / k and rstds): dq, dk on
+        the padded row [1, T, HV, K] exactly as without the table (all 64 rows of every chunk,
+        pad rows included), dv2, db, dg on the packed row as above; not with q_rstd (the L2 norm's
+        backward inside), a compile-time field of the varlen build (part of the compile key)
 
 The kernel is kda_cute_wy_dqkg's class compiled with `fused=True` (kda_cute.wy_dqkg's docstring
 has its CTA decomposition: 512 threads, the V walk in 64-wide tiles on bf16 mma.sync, the
@@ -126,11 +131,17 @@ def _gate_reason(gk, g, A_log, dt_bias) -> str | None:
     return _warp.layout_reason(("g", "gk"), (g, gk))
 
 
-def _table_reason(v, table, T_raw) -> str | None:
+def _table_reason(v, table, T_raw, qk_padded=False, q_rstd=None) -> str | None:
     """The varlen build's chunk table (int32 [T / 64, 2], contiguous, on v's device) and packed
-    length T_raw (B == 1), or why not; None without a table."""
+    length T_raw (B == 1), qk_padded (dq, dk on the padded row: with a table, without q_rstd), or
+    why not; None without a table."""
     if table is None:
+        if qk_padded:
+            return "qk_padded (dq, dk on the padded row) goes with a chunk table"
         return None if T_raw is None else "T_raw goes with a chunk table"
+    if qk_padded and q_rstd is not None:
+        return ("qk_padded leaves dq, dk for an l2norm_bwd after the kernel: not with q_rstd "
+                "(the L2 norm's backward inside)")
     B, T = v.shape[0], v.shape[1]
     if B != 1:
         return f"a chunk table (packed sequences) needs B == 1; got B={B}"
@@ -151,34 +162,38 @@ def _table_reason(v, table, T_raw) -> str | None:
 
 def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
                  k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, table=None,
-                 T_raw=None) -> str | None:
+                 T_raw=None, qk_padded=False) -> str | None:
     """None when `bwd_chunk` runs the CuTe kernel on these arguments, else the reason it would not."""
     return (_wy._hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
             or _rstd_reason(q, v, q_rstd, k_rstd) or _gate_reason(gk, g, A_log, dt_bias)
-            or _table_reason(v, table, T_raw))
+            or _table_reason(v, table, T_raw, qk_padded, q_rstd))
 
 
 def _config(q, v, beta, scale, emit_bf16, l2norm, g=None, A_log=None, dt_bias=None,
-            lower_bound=None, varlen=False) -> _wy.WyDqkgConfig:
+            lower_bound=None, varlen=False, qk_padded=False) -> _wy.WyDqkgConfig:
     gate = _warp.gate_form(A_log is not None, lower_bound)
     on = gate != "none"
     return _wy._config(q, v, beta, scale, True, fused=True, emit_bf16=bool(emit_bf16), l2norm=bool(l2norm),
                        gate=gate, gate_bias=on and dt_bias is not None, lower_bound=float(lower_bound or 0.0),
-                       g_dtype=_warp.DT[g.dtype] if on else "", varlen=bool(varlen))
+                       g_dtype=_warp.DT[g.dtype] if on else "", varlen=bool(varlen),
+                       qk_padded=bool(varlen and qk_padded))
 
 
-def _outputs(q, v, emit_bf16, l2norm=False, g=None, T_raw=None):
+def _outputs(q, v, emit_bf16, l2norm=False, g=None, T_raw=None, qk_padded=False):
     """dq, dk (q's dtype with emit_bf16 or l2norm, else fp32), dv2, db, dg (fp32; with the gate,
     g being given, g's dtype: dg_raw): fresh; [1, T_raw, ...] on the packed row when T_raw is
-    given (varlen), else [B, T, ...]."""
+    given (varlen), else [B, T, ...]; qk_padded: dq, dk [B, T, ...] all the same."""
     B, T, HV, V = v.shape
+    Bq, Tq = B, T
     if T_raw is not None:
         B, T = 1, T_raw
+        if not qk_padded:
+            Bq, Tq = B, T
     K = q.shape[3]
     qk = q.dtype if emit_bf16 or l2norm else torch.float32
     return (
-        alloc((B, T, HV, K), qk, q),  # dq
-        alloc((B, T, HV, K), qk, q),  # dk
+        alloc((Bq, Tq, HV, K), qk, q),  # dq
+        alloc((Bq, Tq, HV, K), qk, q),  # dk
         alloc((B, T, HV, V), v.dtype, q),  # dv2
         alloc((B, T, HV), torch.float32, q),  # db
         alloc((B, T, HV, K), torch.float32 if g is None else g.dtype, q),  # dg
@@ -233,12 +248,14 @@ def _reduce(dA, dbias, A_log, dt_bias):
 
 
 def _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
-             k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None):
+             k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None,
+             qk_padded=False):
     """(config, the five outputs, the gate's partials or None, the kernel's tensors): fresh."""
     l2 = q_rstd is not None
     on = A_log is not None
-    cfg = _config(q, v, beta, scale, emit_bf16, l2, g, A_log, dt_bias, lower_bound, table is not None)
-    outs = _outputs(q, v, emit_bf16, l2, g if on else None, T_raw if table is not None else None)
+    vl = table is not None
+    cfg = _config(q, v, beta, scale, emit_bf16, l2, g, A_log, dt_bias, lower_bound, vl, qk_padded)
+    outs = _outputs(q, v, emit_bf16, l2, g if on else None, T_raw if vl else None, qk_padded)
     parts = _partials(v, q.shape[3], dt_bias) if on else None
     gate = (g, A_log, dt_bias, *parts) if on else None
     args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs, q_rstd, k_rstd, gate, table)
@@ -247,44 +264,45 @@ def _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=Fals
 
 def compile_for(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
                 k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, keep_ptx=False, table=None,
-                T_raw=None):
+                T_raw=None, qk_padded=False):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
     cfg, _, _, args = _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd,
-                               g, A_log, dt_bias, lower_bound, table, T_raw)
+                               g, A_log, dt_bias, lower_bound, table, T_raw, qk_padded)
     build = lambda views, stream, opts: _wy._build(views, stream, cfg, opts)  # noqa: E731
     return _warp.compile_only(build, args, keep_ptx)
 
 
 def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None, k_rstd=None,
-              g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None):
+              g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None, qk_padded=False):
     """wy_dqkg (want_dAqk) then intra (fold_dg) in one kernel -> (dq, dk, dv2, db, dg, dA_log,
     ddt_bias); with q_rstd, k_rstd also l2norm_bwd of dq, dk; with A_log (and the raw gate g) also
     fla's gate backward (dg then g's gradient, in g's dtype), else dA_log, ddt_bias None; with a
     chunk `table` (and T_raw) dq, dk, dv2, db, dg on the packed row [1, T_raw, ...] (the module
-    docstring's varlen). Fresh outputs."""
+    docstring's varlen), with qk_padded dq, dk on the padded row [1, T, ...]. Fresh outputs."""
     reason = is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd,
-                          g, A_log, dt_bias, lower_bound, table, T_raw)
+                          g, A_log, dt_bias, lower_bound, table, T_raw, qk_padded)
     if reason is not None:
         raise ValueError(f"kda_cute.bwd_chunk.bwd_chunk: unsupported call: {reason}")
     return launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd,
-                  g, A_log, dt_bias, lower_bound, table, T_raw)
+                  g, A_log, dt_bias, lower_bound, table, T_raw, qk_padded)
 
 
 def launch(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None, k_rstd=None,
-           g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None):
+           g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None, qk_padded=False):
     """`bwd_chunk` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
     raw = launch_raw(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd, g, A_log,
-                     dt_bias, lower_bound, table, T_raw)
+                     dt_bias, lower_bound, table, T_raw, qk_padded)
     return finish(raw, A_log=A_log, dt_bias=dt_bias)
 
 
 def launch_raw(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
-               k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None):
+               k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, table=None, T_raw=None,
+               qk_padded=False):
     """The kernel part of `launch` (what a recorded chain plan replays): (dq, dk, dv2, db, dg, the
     dA_log partials or None, the ddt_bias partials or None)."""
     cfg, outs, parts, args = _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd,
-                                      k_rstd, g, A_log, dt_bias, lower_bound, table, T_raw)
+                                      k_rstd, g, A_log, dt_bias, lower_bound, table, T_raw, qk_padded)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _wy._build(views, stream, cfg, opts))
     return (*outs, *(parts or (None, None)))
 

@@ -53,7 +53,10 @@ kernel's PTX is unchanged. varlen=True (`_Varlen`, a 24th tensor: the chunk tabl
 five outputs at the packed row's rows (kda_cute.bwd_chunk's docstring): every global store site
 of dq, dk, dv2, db, dg (the dv2 staging tile's in the V walk, the walk's column stores and db, the
 row passes') takes the table's base row and the predicate r < nv; the inputs and the row passes'
-reads (rstds, raw gate) stay on the padded row. With that kernel in the chain,
+reads (rstds, raw gate) stay on the padded row. qk_padded=True (with varlen, not with l2norm) keeps
+dq, dk on the padded row as without the table (the walk's column stores of them at padded row
+64c + r, all 64 rows, unpredicated: the intra walk's `qk_all`); dv2, db, dg still go through the
+table. With that kernel in the chain,
 kda_cute_wy_dqkg itself runs only in bwd_chunk's "split" fallback.
 
 Layouts: global as fla (q, k [B, T, H, K]; v-like [B, T, HV, V]; gk and the K outputs [B, T, HV,
@@ -124,7 +127,7 @@ class KdaWyDqkg:
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_dAqk: bool,
                  fused: bool = False, l2norm: bool = False, gate: str = "none", gate_bias: bool = False,
-                 lower_bound: float = 0.0, varlen: bool = False):
+                 lower_bound: float = 0.0, varlen: bool = False, qk_padded: bool = False):
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -141,6 +144,8 @@ class KdaWyDqkg:
         self.lower_bound = float(lower_bound)
         # fused: the outputs on the packed row through the chunk table (kda_cute.bwd_chunk's docstring)
         self.varlen = varlen
+        # varlen: dq, dk on the padded row all the same (the l2norm_bwd after the kernel needs them there)
+        self.qk_padded = qk_padded
         # the intra walk's parameters (kda_cute._intra_walk): 4 groups of K threads, one 16-row
         # block each; its smem operands in this kernel's strides
         self.fold_dg = True
@@ -897,7 +902,11 @@ def _build_kernel_class():
                 scol = cute.make_layout(BT, stride=K)
                 ins = [cute.make_tensor(t.iterator + d, scol) for t in (sDqS, sDkS, sDgS)]
                 gcol = cute.make_layout(BT, stride=cute.size(mG, mode=[2]) * K)
-                outs = [cute.make_tensor(m[b, orow0, hv, None].iterator + d, gcol) for m in (mDq, mDk, mDg)]
+                qrow0 = orow0  # dq, dk's first row
+                if cutlass.const_expr(self.qk_padded):  # varlen: the padded row's all the same
+                    qrow0 = row0
+                outs = [cute.make_tensor(m[b, r0, hv, None].iterator + d, gcol)
+                        for m, r0 in ((mDq, qrow0), (mDk, qrow0), (mDg, orow0))]
                 if cutlass.const_expr(self.l2norm):  # dq, dk stay in smem (fp32, in place) for the rows
                     outs[0], outs[1] = ins[0], ins[1]
                 gate = self.gate != "none"
@@ -911,7 +920,7 @@ def _build_kernel_class():
                 if cutlass.const_expr(rows):
                     self._row_prefetch(mDA, mDAq, mGr, b, h, hv, row0, tidx)
                 self.intra_walk(tidx, sQ, sK, sG, sAqS, sAkS, sBeta, sDbp, sStage, *ins, *outs, sDbi, gDb, 0,
-                                nv=nv)
+                                nv=nv, qk_all=self.qk_padded)
                 if cutlass.const_expr(rows):  # the loads fly while the barrier waits for the last warp
                     rq, rk, raw, ea, bias = self._row_loads(mDA, mDAq, mGr, mAlog, mBias, b, h, hv, row0,
                                                             tidx)
@@ -970,7 +979,9 @@ def _build_kernel_class():
     class _Varlen(_Fused):
         """fused=True, varlen=True (kda_cute_bwd_chunk on packed sequences): the fused kernel's 23
         tensors and the chunk table mTab, int32 [NT, 2] (kda_cute.bwd_chunk's docstring); B == 1,
-        the grid the padded row's chunks. A kernel of its own, so the others' PTX is unchanged."""
+        the grid the padded row's chunks. A kernel of its own, so the others' PTX is unchanged.
+        qk_padded (a field of the class, not a kernel of its own): dq, dk [1, T, HV, K] on the
+        padded row."""
 
         @cute.jit
         def __call__(
@@ -986,7 +997,8 @@ def _build_kernel_class():
             mDo: cute.Tensor,
             mDh: cute.Tensor,
             mDv: cute.Tensor,
-            mDq: cute.Tensor,  # the five outputs on the packed row: [1, T_raw, ...]
+            mDq: cute.Tensor,  # the five outputs on the packed row: [1, T_raw, ...] (qk_padded: dq, dk
+            # on the padded row [1, T, ...])
             mDk: cute.Tensor,
             mDv2: cute.Tensor,
             mDb: cute.Tensor,
@@ -1018,7 +1030,7 @@ def _build_kernel_class():
             """The fused kernel (its docstring above) reading its inputs on the padded row and
             writing dq, dk, dv2, db, dg at the packed row's rows mTab[c, 0].., only the mTab[c, 1]
             valid ones (the rstds and the raw gate are padded-row inputs; the partials per padded
-            chunk, as without it)."""
+            chunk, as without it); qk_padded: dq, dk at the padded row's 64 rows, as without it."""
             self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mQr, mKr,
                        mGr, mAlog, mBias, mDAp, mDbp, mTab)
 
@@ -1080,6 +1092,7 @@ class WyDqkgConfig:
     lower_bound: float = 0.0  # the "lower_bound" gate's constant
     g_dtype: str = ""  # fused, with the gate: the raw gate's dtype ("fp32" / "bf16" / "fp16")
     varlen: bool = False  # fused: the outputs on the packed row through the chunk table (B == 1)
+    qk_padded: bool = False  # varlen: dq, dk on the padded row all the same (not with l2norm)
 
 
 _new_config = interned(WyDqkgConfig)
@@ -1120,6 +1133,7 @@ def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
     kern = _kernel_class()[int(cfg.fused) + int(cfg.varlen)](
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
         cfg.want_dAqk, cfg.fused, cfg.l2norm, cfg.gate, cfg.gate_bias, cfg.lower_bound, cfg.varlen,
+        cfg.qk_padded,
     )
     return cute.compile(kern, *views, stream, options=options)
 

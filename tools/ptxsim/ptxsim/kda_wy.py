@@ -104,7 +104,8 @@ def _run_guarded(prog, tensors, guarded, ctas, prefetch_ok):
     return got
 
 
-def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=None, table=None, T_raw=None):
+def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=None, table=None, T_raw=None,
+                      qk_padded=False):
     """Run kda_cute_bwd_chunk's PTX (kda_cute.bwd_chunk: wy_dqkg's class with fused=True) on CPU
     for the same eleven `args` (and `rstd` = (q_rstd, k_rstd) for the l2norm build; `gate` = dict
     of bwd_chunk's g, A_log, dt_bias, lower_bound for the gate build): returns (dq, dk, dv2, db,
@@ -113,7 +114,9 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
     With a chunk `table` (and T_raw: the varlen build, its PTX compiled with them) the five
     outputs are the packed row's [1, T_raw, ...], each laid between poisoned guard rows that must
     come back unchanged; its CTAs run by default in descending chunk order, so that a store past a
-    chunk's valid rows (into the next sequence's) would land after that chunk's own and show."""
+    chunk's valid rows (into the next sequence's) would land after that chunk's own and show.
+    qk_padded (its PTX compiled with it too): dq, dk the padded row's [1, T, HV, K], between
+    guard rows as well."""
     from kda_cute import bwd_chunk
 
     v = args[2]
@@ -121,7 +124,7 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
     prog = wy_program(text)
     gate = gate or {}
     _, outs, parts, tensors = bwd_chunk._prepare(*args[:11], 1.0, emit_bf16, *(rstd or (None, None)),
-                                                 **gate, table=table, T_raw=T_raw)
+                                                 **gate, table=table, T_raw=T_raw, qk_padded=qk_padded)
     for t in (*outs, *(parts or ())):
         if t is not None:
             t.fill_(float("nan"))
