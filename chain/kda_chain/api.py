@@ -245,6 +245,8 @@ def _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initia
     _check_offsets(offs, q.shape[1])
     p = varlen.packing(cu_seqlens, offs)
     if p.T_pad == q.shape[1]:  # every sequence whole chunks: the row is already the padded layout
+        with S.varlen_io("native", None):  # (in place: nothing to gather)
+            pass
         o, ht = _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args, chunks=p.chunks)
         return o[:1], ht  # (every sequence empty: _dense answered per sequence, o [N, 0, ...])
     if op._eager(q):  # the packed row read and written in place (varlen.Native)

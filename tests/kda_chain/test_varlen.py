@@ -165,11 +165,13 @@ def test_cu_seqlens_cpu_gives_the_same_call():
 
 def test_whole_chunk_sequences_are_not_copied():
     """Sequences of whole chunks (and empty ones) are already the padded layout: no pack / unpack
-    copy (o comes straight from the chain's op), and the result is still the oracle's."""
+    copy (o comes straight from the chain's op), the record says the rows were used in place (what
+    `kda-witness --packed --require-cute` asks), and the result is still the oracle's."""
     x, cu = _inputs([64, 0, 128])
     reset_dispatch_log()
     o, ht = _run(chunk_kda, x, cu)
-    assert "Unpack" not in type(o.grad_fn).__name__
+    assert "Unpack" not in type(o.grad_fn).__name__ and "Native" not in type(o.grad_fn).__name__
+    assert [(c.impl, c.reason) for c in dispatch_log() if c.stage == "varlen_io"] == [("native", None)]
     wo, wht = _run(naive_kda_varlen, x, cu)
     assert rel_err(o, wo) < 1e-10 and rel_err(ht, wht) < 1e-10
 

@@ -121,8 +121,9 @@ witness.
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_prep_compile.py, ptxsim.kda_prep)
 against float64 and fla's roundings (with l2norm: bitwise kda_cute_l2norm_fwd, then the kernel
 without it; varlen, tests/kda_cute/test_prep_varlen.py: bitwise the plain build on the padded row,
-every global access inside the tensors; not yet run on a GPU), and on the H200 against float64 and fla
-(bench/check_stage.py, the chain's GPU tests). History and what next: docs/perf/prep.md.
+every global access inside the tensors), and on the H200 against float64 and fla
+(bench/check_stage.py, the chain's GPU tests; varlen: tests/gpu/test_varlen_gpu.py through the
+chain, bf16 with the softplus gate, 2026-12-04). History and what next: docs/perf/prep.md.
 """
 
 import functools

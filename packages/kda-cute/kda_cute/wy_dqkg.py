@@ -1130,6 +1130,8 @@ def _kernel_args(inputs, outs):
 def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
     import cutlass.cute as cute
 
+    if cfg.varlen and not cfg.fused:
+        raise ValueError("kda_cute_wy_dqkg: varlen is a build of the fused kernel (kda_cute_bwd_chunk) only")
     kern = _kernel_class()[int(cfg.fused) + int(cfg.varlen)](
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
         cfg.want_dAqk, cfg.fused, cfg.l2norm, cfg.gate, cfg.gate_bias, cfg.lower_bound, cfg.varlen,
