@@ -80,7 +80,7 @@ class Saved:
     k_rstd: torch.Tensor | None
     v: torch.Tensor
     gk: torch.Tensor | None
-    g: torch.Tensor
+    g: torch.Tensor | None  # None only on a packed call's rows without the gate in the op
     beta_raw: torch.Tensor
     beta: torch.Tensor
     A_log: torch.Tensor | None
@@ -146,9 +146,9 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks, 
     if packing is not None:
         native, why = _native_prep(q, k, prep_in(v, g, beta), f, packing)
     if native is not None:
+        # (g None without the gate in the op: the backward then reads gk, never g; bwd_prep takes
+        # g=None with gk given)
         gk, w, u, qg, kg, Aqk, Akk, q, k, v, g, beta, q_rstd, k_rstd = native
-        if g is None:  # no gate in the op: the backward reads gk, never g (a padded-row stand-in)
-            g = gk
     else:
         if packing is not None:  # the CuTe prep passed the call over: the inputs onto the padded row
             from .varlen import pad_inputs

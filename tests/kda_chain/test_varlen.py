@@ -201,15 +201,16 @@ def test_the_chunk_table_maps_each_chunk_to_its_first_token_and_valid_rows():
     assert p.T == sum(lens) and p.T_pad == 64 * len(want)
 
 
-@pytest.mark.parametrize("gva", [False, True])
-def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva):
+@pytest.mark.parametrize("gva, gate", [(False, True), (True, True), (False, False)])
+def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva, gate):
     """On the chain's CuTe path (kernels stubbed: kda_chain.testing.stub_device), an eager packed
     call hands kda_cute_prep the packed inputs with the chunk table and kda_cute_bwd_chunk the
     table for the packed gradients: only o and do are gathered (two row gathers, none of the
     inputs or gradients), the record says `varlen_io native` for both directions, and every
     gradient comes out on the packed row in its input's form. With GVA and the L2 norm in the op
     (l2norm_bwd runs after bwd_chunk, on the padded row) dq and dk stay there (`qk_padded`) and
-    are the only gradients gathered back."""
+    are the only gradients gathered back. Without the gate in the op (no padded copy of g: bwd_prep
+    takes g=None beside the forward's gk) every backward launch is recorded for replay."""
     pytest.importorskip("cutlass.cute")
     from kda_chain import stages as S
     from kda_chain import varlen
@@ -239,14 +240,18 @@ def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva):
     A_log, dt_bias = r(HV, dt=torch.float32), r(HV * K, dt=torch.float32)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     reset_dispatch_log()
-    o, ht = chunk_kda(*x, cu_seqlens=cu, cu_seqlens_cpu=cu, A_log=A_log, dt_bias=dt_bias,
-                      output_final_state=True, **FLAGS)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, **FLAGS) if gate else dict(use_qk_l2norm_in_kernel=True)
+    o, ht = chunk_kda(*x, cu_seqlens=cu, cu_seqlens_cpu=cu, output_final_state=True, **kw)
     (o.float().sum() + ht.sum()).backward()
     io = [(c.impl, c.reason) for c in dispatch_log() if c.stage == "varlen_io"]
     assert o.shape == (1, T, HV, V) and ht.shape == (len(lens), HV, K, V)
     for t in x:
         assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
-    assert A_log.grad.shape == A_log.shape and dt_bias.grad.shape == dt_bias.shape
+    if gate:
+        assert A_log.grad.shape == A_log.shape and dt_bias.grad.shape == dt_bias.shape
+    else:
+        (bwd_plan,) = [ls for _, ls in S._plans.values() if any(n == "bwd_prep" for n, _, _ in ls)]
+        assert all(rp is not None for _, _, rp in bwd_plan), bwd_plan
     T_pad = 64 * sum(-(-n // 64) for n in lens)
     assert io == [("native", None), ("native", None)], io
     assert tables == [("prep", True, False), ("bwd_chunk", True, gva)], tables

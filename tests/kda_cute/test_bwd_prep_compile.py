@@ -122,3 +122,10 @@ def test_reasons_on_cpu():
     assert "[B,T,HV,K]" in BP._gk_reason(a[3], gk[:, :32], False)
     with pytest.raises(ValueError, match="unsupported call: K=64"):
         BP.bwd_prep(*prep_inputs(K=64)[:7], akk, None, False)
+    # g may be None beside a given gk (a packed call keeps no padded copy of a given log gate):
+    # the same answers as with gk in g's place; without either, a reason
+    q, k, v, _, beta, A_log, dt_bias = a[:7]
+    assert BP.is_supported(q, k, v, None, beta, A_log, dt_bias, akk, None, False, gk=gk) == \
+        BP.is_supported(q, k, v, gk, beta, A_log, dt_bias, akk, None, False, gk=gk)
+    assert "no gk" in BP.is_supported(q, k, v, None, beta, A_log, dt_bias, akk, None, False)
+    assert BP._g_or_gk(None, gk) is gk and BP._g_or_gk(a[3], gk) is a[3]

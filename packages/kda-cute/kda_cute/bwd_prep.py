@@ -76,9 +76,21 @@ def _gk_reason(g, gk, use_gate_in_kernel) -> str | None:
     return _warp.layout_reason(("g", "gk"), (g, gk))
 
 
+def _g_or_gk(g, gk):
+    """g, or where it is None the given gk in its place: with gk given the kernel never reads g (a
+    packed call's chain has no padded copy of a given log gate, only gk)."""
+    if g is None and gk is None:
+        raise ValueError("kda_cute.bwd_prep: g may be None only with gk given")
+    return gk if g is None else g
+
+
 def is_supported(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel,
                  chunk_size=BT, gk=None) -> str | None:
-    """None when `bwd_prep` runs the CuTe kernel on these arguments, else the reason it would not."""
+    """None when `bwd_prep` runs the CuTe kernel on these arguments, else the reason it would not.
+    g may be None when gk is given (`_g_or_gk`)."""
+    if g is None and gk is None:
+        return "g is None and no gk is given"
+    g = _g_or_gk(g, gk)
     return (_hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size)
             or _gk_reason(g, gk, use_gate_in_kernel))
 
@@ -108,6 +120,7 @@ def _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs):
 def compile_for(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, keep_ptx=False,
                 gk=None):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
+    g = _g_or_gk(g, gk)
     cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, gk is not None)
     args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, _outputs(q, v, gk))
     return _warp.compile_only(lambda views, stream, opts: _prep._build(views, stream, cfg, opts), args,
@@ -126,6 +139,7 @@ def bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_ker
 
 def launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT, gk=None):
     """`bwd_prep` without its checks: for a caller whose `is_supported` just said None."""
+    g = _g_or_gk(g, gk)
     outs = _outputs(q, v, gk)
     cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, gk is not None)
     args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs)
