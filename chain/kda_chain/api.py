@@ -216,10 +216,13 @@ def _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_
         return EmptyKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state)
     flags = _flags(q, scale, output_final_state, chunk_size, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                    use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute)
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
+    q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
     return op.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, flags, chunks)
+
+
+def _contiguous(*tensors):
+    """Each tensor contiguous (itself when it is; None stays None)."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
 def _flags(q, scale, output_final_state, chunk_size, use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -245,14 +248,12 @@ def _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initia
     _check_offsets(offs, q.shape[1])
     p = varlen.packing(cu_seqlens, offs)
     if p.T_pad == q.shape[1]:  # every sequence whole chunks: the row is already the padded layout
-        with S.varlen_io("native", None):  # (in place: nothing to gather)
-            pass
+        S.varlen_rows("native")  # (in place: nothing to gather)
         o, ht = _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args, chunks=p.chunks)
         return o[:1], ht  # (every sequence empty: _dense answered per sequence, o [N, 0, ...])
     if op._eager(q):  # the packed row read and written in place (varlen.Native)
         f = _flags(q, *args)
-        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-        h0 = None if initial_state is None else initial_state.contiguous()
+        q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, initial_state)
         o, ht = varlen.Native.apply(q, k, v, g, beta, A_log, dt_bias, h0, f, p)
         return o, (ht if f.output_final_state else None)
     gate, sig, lower_bound = args[4], args[5], args[7]

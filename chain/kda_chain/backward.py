@@ -168,9 +168,10 @@ def _chunk_parallel(wy_in: list, dh0, dAqk, s: Saved, f: Flags):
         alt = S.bwd_chunk.choose(*wy_in, **kw)
         if alt[0].name == "cute":
             (impl, reason), gate_kw = alt, {}
-    if p is not None:  # (the ranges' record: the gradients written packed, or gathered at the end)
-        with S.varlen_io("native" if "table" in kw else "gather", None if "table" in kw else why):
-            pass
+    if p is not None and "table" in kw:  # (the record: the gradients written packed ...)
+        S.varlen_rows("native")
+    elif p is not None:  # (... or gathered at the end)
+        S.varlen_rows("gather", why)
     l2norm_done = gate_done = False
     dA_log = ddt_bias = None
     if impl.name == "cute":  # wy_dqkg, dAqk, intra, the dg fold (l2norm_bwd, gate_bwd) in one kernel

@@ -123,8 +123,7 @@ def _native_prep(q, k, prep_in, f: Flags, packing):
     impl, reason = S.fwd_prep.choose(q, k, *prep_in, l2norm=l2, table=packing.table)
     if impl.name != "cute":
         return None, f"fwd_prep: {reason}"
-    with S.varlen_io("native", None):
-        pass
+    S.varlen_rows("native")
     out = S.fwd_prep.run(impl, reason, q, k, *prep_in, l2norm=l2, table=packing.table)
     rstd = out[9:11] if l2 else (None, None)
     return (*out[:7], *out[-5:], *rstd), None

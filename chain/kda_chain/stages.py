@@ -392,32 +392,39 @@ class Stage:
     def __call__(self, *args, **kwargs):
         return self.run(*self.choose(*args, **kwargs), *args, **kwargs)
 
-    @contextlib.contextmanager
     def split(self, reason: str | None):
         """The block computes this stage from other stages instead (its CuTe kernel passed the call
         over: `reason`): recorded as the implementation "split", the block inside its range."""
-        dispatch_log().append(Choice(self.name, "split", reason))
-        log_once(f"kda_chain: {self.name} runs as separate stages: {reason}", logger=log)
-        if not _profiler_enabled():
-            yield
-            return
-        with stage_range(self.name, "split", reason):
-            yield
+        return _recorded(self.name, "split", reason,
+                         f"kda_chain: {self.name} runs as separate stages: {reason}")
 
 
 @contextlib.contextmanager
-def varlen_io(impl: str, reason: str | None):
-    """A packed call's rows: "native" where the CuTe kernels read the packed inputs and write the
-    packed gradients through the chunk table, "gather" (with the reason) where the block copies
-    them to or from the padded row. Recorded like a stage (`varlen_io`), the block in its range."""
-    dispatch_log().append(Choice("varlen_io", impl, reason))
-    if reason is not None:
-        log_once(f"kda_chain: packed rows by {impl}: {reason}", logger=log)
+def _recorded(stage: str, impl: str, reason: str | None, message: str | None):
+    """A block recorded as (stage, impl, reason) without going through a Stage: the choice in the
+    dispatch log, `message` logged once, the block inside its profiler range."""
+    dispatch_log().append(Choice(stage, impl, reason))
+    if message is not None:
+        log_once(message, logger=log)
     if not _profiler_enabled():
         yield
         return
-    with stage_range("varlen_io", impl, reason):
+    with stage_range(stage, impl, reason):
         yield
+
+
+def varlen_io(impl: str, reason: str | None = None):
+    """A packed call's rows: "native" where the CuTe kernels read the packed inputs and write the
+    packed gradients through the chunk table, "gather" (with the reason) where the block copies
+    them to or from the padded row. Recorded like a stage (`varlen_io`), the block in its range."""
+    return _recorded("varlen_io", impl, reason,
+                     None if reason is None else f"kda_chain: packed rows by {impl}: {reason}")
+
+
+def varlen_rows(impl: str, reason: str | None = None) -> None:
+    """`varlen_io`'s record where nothing runs inside it (an empty range, for the witness)."""
+    with varlen_io(impl, reason):
+        pass
 
 
 # ---------------------------------------------------------------------------------------------

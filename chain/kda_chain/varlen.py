@@ -41,7 +41,7 @@ class Packing:
     pad: torch.Tensor
     chunks: torch.Tensor
     T_pad: int
-    table: torch.Tensor | None = None  # int32 [T_pad / 64, 2]: each chunk's first token, its valid rows
+    table: torch.Tensor  # int32 [T_pad / 64, 2]: each chunk's first token, its valid rows (`_table`)
 
     @property
     def N(self) -> int:
@@ -211,6 +211,7 @@ class Native(torch.autograd.Function):
         from .autograd import device_guard
         from .backward import backward
         from .forward import Kept
+        from .op import _as
 
         f, p = ctx.f, ctx.p
         ts = ctx.saved_tensors
@@ -223,13 +224,8 @@ class Native(torch.autograd.Function):
         else:
             do = _gather(do.contiguous(), p.source, p.pad)
         dht = None if not f.output_final_state or dht is None else dht.contiguous()
-        with device_guard(do):
+        with device_guard(do):  # (the gradients come out on the packed row: backward.py)
             grads = backward(do, dht, s, f)
-        out = []
-        for i, (gr, dt) in enumerate(zip(grads, ctx.likes, strict=True)):
-            if gr is None or dt is None or (i in (5, 6) and not f.use_gate_in_kernel):
-                out.append(None)
-                continue
-            gr = to_packed(gr, p) if i < 5 else gr
-            out.append(gr if gr.dtype == dt and gr.is_contiguous() else gr.to(dt).contiguous())
+        out = [None if gr is None or dt is None or (i in (5, 6) and not f.use_gate_in_kernel) else _as(gr, dt)
+               for i, (gr, dt) in enumerate(zip(grads, ctx.likes, strict=True))]
         return (*out, None, None)

@@ -60,9 +60,13 @@ def progress(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
+PER_TOKEN = ("q", "k", "v", "g", "beta", "do")  # the inputs and cotangents with a token mode
+PER_STATE = ("initial_state", "dht")  # one per batch row (per sequence when packed)
+
+
 def first_sequence(x: dict, cot: dict) -> tuple[dict, dict]:
     """The B=1 slice of inputs and cotangents (A_log, dt_bias have no batch mode)."""
-    per_batch = {"q", "k", "v", "g", "beta", "initial_state", "do", "dht"}
+    per_batch = {*PER_TOKEN, *PER_STATE}
     return ({n: t[:1] if n in per_batch else t for n, t in x.items()},
             {n: t[:1] for n, t in cot.items()})
 
@@ -153,12 +157,11 @@ def _packed(a: argparse.Namespace, x: dict, flags: dict, cot: dict, device: str)
     N, total = a.packed, a.B * a.T
     cuts = torch.randperm(total - 1, generator=torch.Generator().manual_seed(a.seed))[:N - 1] + 1
     offs = torch.tensor([0, *sorted(cuts.tolist()), total], dtype=torch.int32)
-    per_token = {"q", "k", "v", "g", "beta", "do"}
 
     def row(n, t):
-        if n in per_token:
+        if n in PER_TOKEN:
             return t.reshape(1, total, *t.shape[2:])
-        if n in ("initial_state", "dht"):  # one state per sequence
+        if n in PER_STATE:  # one state per sequence
             return torch.cat([t] * -(-N // a.B))[:N].contiguous()
         return t
 
@@ -183,8 +186,8 @@ def first_packed(x: dict, flags: dict, cot: dict) -> tuple[dict, dict, dict]:
     """A packed call's first sequence as a packed call of its own."""
     L = int(flags["cu_seqlens_cpu"][1])
     offs = torch.tensor([0, L], dtype=torch.int32)
-    one = {n: (t[:, :L] if n in ("q", "k", "v", "g", "beta", "do") else
-               t[:1] if n in ("initial_state", "dht") else t) for n, t in {**x, **cot}.items()}
+    one = {n: (t[:, :L] if n in PER_TOKEN else t[:1] if n in PER_STATE else t)
+           for n, t in {**x, **cot}.items()}
     flags = dict(flags, cu_seqlens=offs.to(flags["cu_seqlens"].device), cu_seqlens_cpu=offs.long())
     return ({n: one[n] for n in x}, flags, {n: one[n] for n in cot})
 

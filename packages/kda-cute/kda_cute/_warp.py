@@ -121,6 +121,23 @@ def rstd_reason(name: str, rstd, x) -> str | None:
     return None
 
 
+def table_reason(table, device, NT: int | None = None) -> str | None:
+    """A packed call's chunk table (kda_chain.varlen: int32 [NT, 2], per chunk of the padded row its
+    first packed token and its valid rows; NT >= 1, or exactly NT where given), contiguous, on
+    `device`; or why not. kda_cute.prep's and kda_cute.bwd_chunk's varlen builds read it."""
+    if not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.dim() != 2 \
+            or table.shape[1] != 2 or table.shape[0] == 0 or NT not in (None, table.shape[0]):
+        what = (f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor)
+                else type(table).__name__)
+        want = "[NT, 2] with NT >= 1" if NT is None else f"[NT, 2] = {(NT, 2)}"
+        return f"table must be int32 {want}; got {what}"
+    if not table.is_contiguous():
+        return "table is not contiguous"
+    if table.device != device:
+        return f"table on {table.device}, the inputs on {device}"
+    return None
+
+
 def layout_reason(names, tensors) -> str | None:
     """Every tensor contiguous, 16-byte aligned, on one device the kernel can use; or why not."""
     for name, t in zip(names, tensors, strict=True):

@@ -152,15 +152,7 @@ def _table_reason(v, table, T_raw, qk_padded=False, q_rstd=None) -> str | None:
         return "a chunk table needs T_raw (the packed row's length)"
     if not isinstance(T_raw, int) or not 0 < T_raw <= T:
         return f"T_raw must be an int in 1..T={T}; got {T_raw!r}"
-    if table.dtype != torch.int32:
-        return f"the chunk table must be int32; got {table.dtype}"
-    if tuple(table.shape) != (T // BT, 2):
-        return f"the chunk table must be [NT, 2] = {(T // BT, 2)}; got {tuple(table.shape)}"
-    if not table.is_contiguous():
-        return "the chunk table is not contiguous"
-    if table.device != v.device:
-        return "the chunk table is on another device than the inputs"
-    return None
+    return _warp.table_reason(table, v.device, T // BT)
 
 
 def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,

@@ -945,15 +945,9 @@ def gate_pad_value(g_dtype: torch.dtype, use_gate_in_kernel: bool) -> float:
 def _table_reason(q, k, v, g, beta, table, lower_bound, use_gate_in_kernel) -> str | None:
     """varlen's own reasons: the chunk table int32 [NT, 2], contiguous, on the inputs' device; one
     packed row (B = 1) with one raw T for the five inputs; not an fp16 g in the lower_bound form."""
-    if not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.dim() != 2 \
-            or table.shape[1] != 2 or table.shape[0] == 0:
-        what = (f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor)
-                else type(table).__name__)
-        return f"table must be int32 [NT, 2] with NT >= 1; got {what}"
-    if not table.is_contiguous():
-        return "table is not contiguous"
-    if table.device != q.device:
-        return f"table on {table.device}, the inputs on {q.device}"
+    r = _warp.table_reason(table, q.device)
+    if r:
+        return r
     if q.dim() != 4 or q.shape[0] != 1:
         return f"varlen needs the packed row q [1, T, H, K]; got {tuple(q.shape)}"
     if any(x.dim() < 2 or x.shape[:2] != q.shape[:2] for x in (k, v, g, beta)):
