@@ -63,7 +63,8 @@ def peak_mb(fn) -> float:
 
 
 def top_kernels(fn, n: int = 25) -> None:
-    """One call of fn under torch.profiler: its n largest CUDA kernels by total time."""
+    """One call of fn under torch.profiler: its n largest CUDA kernels by total time, one compact
+    line each (ms, launches, name), and the sum of all."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -71,7 +72,12 @@ def top_kernels(fn, n: int = 25) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=70))
+    rows = [(e.device_time_total / 1e3, e.count, e.key) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(reverse=True)
+    print(f"    all kernels {sum(r[0] for r in rows):.3f} ms")
+    for ms, count, key in rows[:n]:
+        print(f"    {ms:8.3f} ms {count:3d}x  {key[:90]}")
 
 
 def main() -> None:
@@ -79,7 +85,7 @@ def main() -> None:
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
-    ap.add_argument("--profile", action="store_true", help="also print ours packed step's top kernels")
+    ap.add_argument("--profile", action="store_true", help="also print ours' top kernels, dense and packed")
     a = ap.parse_args()
     from fla.ops.kda import chunk_kda as fla_kda
     from kda_chain import chunk_kda as ours_kda
@@ -136,7 +142,7 @@ def main() -> None:
         res[name] = median_ms(fn, warmup=2, reps=a.reps)
         print(f"  {name:28s} {res[name]:9.3f} ms", flush=True)
         save()
-        if a.profile and name == "ref ours packed":
+        if a.profile and name in ("ref ours dense B16", "ref ours packed"):
             top_kernels(fn)
     for who, fn in (("ours", _step(ours_kda, xp, dop, **pk)), ("fla", _step(fla_kda, xp, dop, **pk))):
         res[f"ref peak MB {who} packed"] = peak_mb(fn)

@@ -237,9 +237,9 @@ def _flags(q, scale, output_final_state, chunk_size, use_qk_l2norm_in_kernel, us
 
 def _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initial_state, *args):
     """A packed call ([1, total_T, ...], offsets cu_seqlens, states [N, ...]) on the padded row of
-    `kda_chain.varlen`, one chain call with the chunk table. Eager: `varlen.Native` (the CuTe prep
-    reads the packed inputs, kda_cute_bwd_chunk writes the packed gradients; only o and do are
-    gathered); traced: the inputs packed, the custom ops, o unpacked (all differentiable). The
+    `kda_chain.varlen`, one chain call with the chunk table. Eager: `varlen.Native` (the CuTe
+    kernels read the packed inputs and do, write o and the packed gradients: nothing gathered where
+    they all take the call); traced: the inputs packed, the custom ops, o unpacked (all differentiable). The
     offsets are read on the host from cu_seqlens_cpu, else from cu_seqlens (a host sync on a GPU,
     as fla's without cu_seqlens_cpu) and checked there."""
     offs = [int(x) for x in (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()]

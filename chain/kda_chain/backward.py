@@ -8,7 +8,8 @@
                                skipped with disable_recompute: the forward kept them); on small
                                grids on a second stream, beside dhu (which does not read its outputs)
     dhu                        kda_cute_dhu: reverse scan -> dh per chunk, dh0, dv2, with bwd_dAv's
-                               dv = tril(Aqk)^T do computed inside (the fused form: Aqk, no dv)
+                               dv = tril(Aqk)^T do computed inside (the fused form: Aqk, no dv);
+                               a packed call's do read on its own row (the chunk table: `_Do`)
     bwd_chunk                  kda_cute_bwd_chunk: everything below up to gva_sum in one kernel
                                (dq, dk, dv, db, dg with dg reverse-cumsummed; dq / dk in q's dtype
                                when HV == H, then also through l2norm_bwd with that flag: the
@@ -113,8 +114,9 @@ def _backward(do, dht, s: Saved, f: Flags):
     # bwd_dAv's two products live in the CuTe kernels that hold their operands: dv = tril(Aqk)^T do
     # in dhu's reverse scan, dAqk = scale tril(do v_new^T) in wy_dqkg's V walk. Where either stage
     # is not the CuTe kernel, bwd_dAv runs (with that stage's reason in the record).
-    dhu_in = (qg, kg, w, gk, s.initial_state, dht, do)
-    impl, reason = S.dhu.choose(*dhu_in, None, f.scale, s.Aqk, chunks=s.chunks)
+    dos = _Do(do, s.packing)
+    dhu_in = (qg, kg, w, gk, s.initial_state, dht)
+    impl, reason, dhu_do, dhu_kw = _dhu_choice(dhu_in, dos, s, f)
     fused = impl.name == "cute"
     # the fused dhu needs nothing of b1's: on small grids the two serial scans overlap (`_side_stream`)
     side = _side_stream(do, v, s.chunks) if fused and s.kept is None else None
@@ -125,25 +127,64 @@ def _backward(do, dht, s: Saved, f: Flags):
             with _forked(side, main):
                 h, v_new, _ = S.b1(kg, w, u, gk, s.initial_state, False, chunks=s.chunks)
         if fused:
-            dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, None, f.scale, s.Aqk, chunks=s.chunks)
+            dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, dhu_do, None, f.scale, s.Aqk, chunks=s.chunks,
+                                    **dhu_kw)
         else:
-            dAqk, dv = S.bwd_dAv(q, k, v_new, do, s.Aqk, f.scale)
-            dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, dv, f.scale, chunks=s.chunks)
+            dAqk, dv = S.bwd_dAv(q, k, v_new, dhu_do, s.Aqk, f.scale)
+            dh, dh0, dv = S.dhu.run(impl, reason, *dhu_in, dhu_do, dv, f.scale, chunks=s.chunks)
     finally:  # joined before b1's inputs can be freed (below, or by an exception's unwinding)
         if side is not None:
             main.wait_stream(side)
     if side is not None:
         _made_on(main, h, v_new)
-    del qg, kg, w, u, dhu_in  # (the argument tuples hold references too)
-    wy_in = [q, k, v, v_new, gk, beta, s.Akk, h, do, dh, dv, f.scale]
+    del qg, kg, w, u, dhu_in, dhu_do  # (the argument tuples hold references too)
+    wy_in = [q, k, v, v_new, gk, beta, s.Akk, h, None, dh, dv, f.scale]  # (do: `_chunk_parallel`'s)
     del h, dh, v_new, dv  # (wy_in's references go as soon as their stage is done)
-    return _chunk_parallel(wy_in, dh0, dAqk, s, f)
+    return _chunk_parallel(wy_in, dos, dh0, dAqk, s, f)
 
 
-def _chunk_parallel(wy_in: list, dh0, dAqk, s: Saved, f: Flags):
+class _Do:
+    """The backward's do. A packed call's arrives on the packed row [1, total_T, HV, V] (`rows`):
+    kda_cute_dhu and kda_cute_bwd_chunk read it there through the chunk table; a stage that does
+    not gets one copy on the padded row (`padded`: gathered once, recorded with the first stage's
+    reason). Any other call's do is the padded row's already."""
+
+    __slots__ = ("rows", "p", "_padded")
+
+    def __init__(self, do, p):
+        self.rows, self.p, self._padded = do, p, (do if p is None else None)
+
+    def padded(self, why: str | None):
+        if self._padded is None:
+            from .varlen import to_padded
+
+            with S.varlen_io("gather", why):
+                self._padded = to_padded(self.rows, self.p)
+        return self._padded
+
+
+def _dhu_choice(dhu_in: tuple, dos: _Do, s: Saved, f: Flags):
+    """-> (impl, reason, do, keywords) of the dhu stage, asked in its fused form (Aqk, no dv): a
+    packed call's do on its own row where the CuTe kernel takes the chunk table, else the padded
+    row's (the choice then as for any call)."""
+    why = None
+    if dos.p is not None:
+        kw = dict(table=dos.p.table)
+        impl, reason = S.dhu.choose(*dhu_in, dos.rows, None, f.scale, s.Aqk, chunks=s.chunks, **kw)
+        if impl.name == "cute":
+            S.varlen_rows("native")
+            return impl, reason, dos.rows, kw
+        why = f"dhu: {reason}"
+    do = dos.padded(why)
+    impl, reason = S.dhu.choose(*dhu_in, do, None, f.scale, s.Aqk, chunks=s.chunks)
+    return impl, reason, do, {}
+
+
+def _chunk_parallel(wy_in: list, dos: _Do, dh0, dAqk, s: Saved, f: Flags):
     """Everything after the two scans, from bwd_chunk's inputs `wy_in` (emptied as soon as their
-    stage is done): bwd_chunk (or its stages), gva_sum, the gate, l2norm and beta sigmoid
-    backwards -> the backward's outputs."""
+    stage is done; its do, slot 8, from `dos`: a packed call's own row where the kernel writes the
+    packed gradients, else the padded row's): bwd_chunk (or its stages), gva_sum, the gate, l2norm
+    and beta sigmoid backwards -> the backward's outputs."""
     q, k, v = wy_in[:3]
     H, HV = q.shape[2], v.shape[2]
     emit_bf16 = HV == H and q.dtype in _HALF
@@ -156,13 +197,15 @@ def _chunk_parallel(wy_in: list, dh0, dAqk, s: Saved, f: Flags):
     p = s.packing
     if p is not None:  # the gradients straight onto the packed row (kda_cute_bwd_chunk, the chunk table)
         packed_kw, why = _packed_outputs(f, HV == H, gate_kw, p)
-        if packed_kw is not None:
+        if packed_kw is not None:  # (the kernel's varlen build reads do on the packed row too)
+            wy_in[8] = dos.rows
             impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw, **packed_kw)
             if impl.name == "cute":
                 kw.update(packed_kw)
             else:
                 why = f"bwd_chunk: {reason}"
     if "table" not in kw:
+        wy_in[8] = dos.padded(why if p is not None else None)
         impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw)
     if impl.name != "cute" and gate_kw:  # the kernel may still take the call without the gate's part
         alt = S.bwd_chunk.choose(*wy_in, **kw)

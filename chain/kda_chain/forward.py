@@ -28,8 +28,9 @@ themselves: kda_cute_prep reads them through the packing's chunk table and write
 outputs, their copies on the padded row (q, k, v, the raw gate with the gate in the op, the
 activated beta: what the padded-row stages and the backward read), so nothing is gathered in;
 where its CuTe kernel does not take the call the inputs are gathered onto the padded row first
-(`kda::varlen_io::gather` with the reason) and the chain runs as for a padded call. o comes out
-on the padded row either way.
+(`kda::varlen_io::gather` with the reason) and the chain runs as for a padded call. kda_cute_fwd
+writes o on the packed row through the same table (`_scan_out`); where it does not take the call,
+o comes out on the padded row and is gathered (recorded likewise).
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks=No
     """-> o (q's dtype), ht (fp32 or None), Saved. chunks: a packed call's chunk table (the
     inputs on kda_chain.varlen's padded row): the scans walk each sequence; states [N, ...].
     packing: a packed call's kda_chain.varlen.Packing with the inputs on the packed row (module
-    doc; chunks is then its chunk table); o comes out on the padded row."""
+    doc; chunks is then its chunk table); o comes out on the packed row where kda_cute_fwd writes
+    it there (`_scan_out`), else on the padded row."""
     table = None if packing is None else packing.table
     with S.planned("fwd", q, k, v, g, beta, A_log, dt_bias, initial_state, chunks, table, f) as key:
         o, ht, saved = _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f, chunks, packing)
@@ -127,6 +129,21 @@ def _native_prep(q, k, prep_in, f: Flags, packing):
     out = S.fwd_prep.run(impl, reason, q, k, *prep_in, l2norm=l2, table=packing.table)
     rstd = out[9:11] if l2 else (None, None)
     return (*out[:7], *out[-5:], *rstd), None
+
+
+def _scan_out(fwd_in: tuple, chunks, packing):
+    """The fwd stage -> o, ht. A packed call's o goes straight onto the packed row where
+    kda_cute_fwd takes the chunk table (each chunk's valid rows stored at its first packed token);
+    elsewhere o stays on the padded row and `varlen.Native` gathers it (recorded with the reason)."""
+    if packing is None:
+        return S.fwd(*fwd_in, chunks=chunks)
+    kw = dict(chunks=chunks, table=packing.table, T_raw=packing.T)
+    impl, reason = S.fwd.choose(*fwd_in, **kw)
+    if impl.name == "cute":
+        S.varlen_rows("native")
+        return S.fwd.run(impl, reason, *fwd_in, **kw)
+    S.varlen_rows("gather", f"fwd: {reason}")
+    return S.fwd(*fwd_in, chunks=chunks)
 
 
 def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks, packing=None):
@@ -167,7 +184,8 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks, 
                 gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep.run(impl, reason, q, k, *pin)
         else:
             gk, w, u, qg, kg, Aqk, Akk = S.fwd_prep(q, k, *pin)
-    o, ht = S.fwd(q, qg, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale, chunks=chunks)
+    fwd_in = (q, qg, kg, w, u, gk, Aqk, initial_state, f.output_final_state, f.scale)
+    o, ht = _scan_out(fwd_in, chunks, packing)
     kept = None
     if f.disable_recompute:  # the states for the backward: fwd keeps none (b1: 1.4 ms at the ref shape)
         h, v_new, _ = S.b1(kg, w, u, gk, initial_state, False, chunks=chunks)

@@ -15,7 +15,9 @@ one CTA per (V tile, head, sequence), states [N, HV, K, V]. The result is fla's:
 chunks also restart at every sequence start.
 
 Cost: the copies in and out (inputs, o, and in the backward do and the gradients), about 10% of a
-step at the reference shape; the pad rows (< 64 per sequence). The row is built on the device
+step at the reference shape, where a call goes through the custom ops (traced); an eager call
+copies none of them (`Native`: the kernels read and write the packed row through the chunk
+table). The pad rows (< 64 per sequence) cost either way. The row is built on the device
 from `cu_seqlens`; only its length needs the offsets on the host: `cu_seqlens_cpu` when given,
 else one `cu_seqlens.tolist()` (a host sync, as fla's own varlen path without cu_seqlens_cpu).
 """
@@ -169,6 +171,12 @@ def pad_inputs(q, k, v, g, beta, p: Packing, *, use_gate_in_kernel: bool, lower_
             _gather(g, p.source, p.pad, g_fill), _gather(beta, p.source, p.pad))
 
 
+def to_padded(x: torch.Tensor, p: Packing) -> torch.Tensor:
+    """x on the packed row [1, total_T, ...] -> the padded row (pad rows 0), not differentiable:
+    a packed call's do for a backward stage that does not read the packed row itself."""
+    return _gather(x, p.source, p.pad)
+
+
 def to_packed(x: torch.Tensor | None, p: Packing) -> torch.Tensor | None:
     """A gradient on the packed row: x itself when it is there already (kda_cute_bwd_chunk wrote
     it through the chunk table), else gathered from the padded row."""
@@ -180,8 +188,10 @@ def to_packed(x: torch.Tensor | None, p: Packing) -> torch.Tensor | None:
 class Native(torch.autograd.Function):
     """A packed call whose inputs the chain reads on the packed row itself (forward.py's module
     doc: kda_cute_prep through the chunk table) and whose gradients kda_cute_bwd_chunk writes there
-    (backward.py): only o (out) and do (in) are gathered. Eager calls only (api.py); a traced call
-    goes through the custom ops on `pack_inputs`' row."""
+    (backward.py), kda_cute_fwd writes o there and kda_cute_dhu / kda_cute_bwd_chunk read do there:
+    nothing is gathered where every kernel takes the call (each gather that runs instead is
+    recorded with its reason). Eager calls only (api.py); a traced call goes through the custom ops
+    on `pack_inputs`' row."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, f, p: Packing):
@@ -198,11 +208,12 @@ class Native(torch.autograd.Function):
         for n in names:
             setattr(s, n, None)
         ctx.shell, ctx.f, ctx.p = s, f, p
-        ctx.o_form = (o.shape, o.dtype)
+        ctx.o_form = ((1, p.T, *o.shape[2:]), o.dtype)
         ins = (q, k, v, g, beta, A_log, dt_bias, initial_state)
         ctx.likes = [None if t is None else t.dtype for t in ins]
         ctx.set_materialize_grads(False)
-        return _gather(o, p.index), ht
+        # (kda_cute_fwd wrote o on the packed row, else the forward recorded why it did not)
+        return (o if o.shape[1] == p.T else _gather(o, p.index)), ht
 
     @staticmethod
     def backward(ctx, do, dht):
@@ -213,7 +224,7 @@ class Native(torch.autograd.Function):
         from .forward import Kept
         from .op import _as
 
-        f, p = ctx.f, ctx.p
+        f = ctx.f
         ts = ctx.saved_tensors
         n = len(ctx.names)
         s = dataclasses.replace(ctx.shell, **dict(zip(ctx.names, ts[:n], strict=True)))
@@ -221,8 +232,8 @@ class Native(torch.autograd.Function):
             s.kept = Kept(**dict(zip(ctx.kept_names, ts[n:], strict=True)))
         if do is None:  # o unused by the loss (only ht is)
             do = torch.zeros(ctx.o_form[0], dtype=ctx.o_form[1], device=s.Aqk.device)
-        else:
-            do = _gather(do.contiguous(), p.source, p.pad)
+        else:  # (on the packed row: the backward's kernels read it there, or gather it: backward.py)
+            do = do.contiguous()
         dht = None if not f.output_final_state or dht is None else dht.contiguous()
         with device_guard(do):  # (the gradients come out on the packed row: backward.py)
             grads = backward(do, dht, s, f)

@@ -5,9 +5,10 @@ The oracle is the float64 reference chain run once per sequence from its own ini
 (`kda_cute.reference.chunk_kda_reference`, differentiated by autograd). Every output and gradient
 of ours must be within 2x fla's error of it (1e-6 absolute slack), finite, and the witness record
 must show the CuTe kernels of every stage (no fla scan, no whole-call fallback) and the packed rows
-read and written in place (`varlen_io native`; with GVA and the L2 norm dq, dk are gathered). Sequences of
-length 1, 63, 64, 65 and longer, GVA and V 256, initial and final states; and a zero-length
-sequence (ours against the oracle alone). Errors go to $OUT/varlen_errors.json when $OUT is set.
+read and written in place (`varlen_io native` for the inputs, o, do and the gradients; with GVA
+and the L2 norm dq, dk are gathered). Sequences of length 1, 63, 64, 65 and longer, GVA and V 256,
+initial and final states; and a zero-length sequence (ours against the oracle alone). Errors go
+to $OUT/varlen_errors.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -107,10 +108,11 @@ def test_varlen_within_2x_of_fla_error(case):
     ours = _run(_packed(chunk_kda), x, cot, offs)
     log = dispatch_log()
     stages = {c.stage: (c.impl, c.reason) for c in log}
-    # the packed rows read by kda_cute_prep and written by kda_cute_bwd_chunk (with GVA and the L2
-    # norm in the op dq, dk only are gathered, after l2norm_bwd)
+    # the packed rows in place: the inputs (kda_cute_prep), o (kda_cute_fwd), do (kda_cute_dhu and
+    # kda_cute_bwd_chunk), the gradients (kda_cute_bwd_chunk; with GVA and the L2 norm in the op dq,
+    # dk only are gathered, after l2norm_bwd)
     rows_io = [(c.impl, c.reason) for c in log if c.stage == "varlen_io"]
-    assert rows_io == [("native", None)] * 2, f"packed rows gathered: {rows_io}"
+    assert rows_io == [("native", None)] * 4, f"packed rows gathered: {rows_io}"
     fla = _run(_packed(fla_kda), x, cot, offs)
     ref = _run(_oracle, x, cot, offs, dtype=torch.float64)
     rows = _errors(ours, ref, fla)

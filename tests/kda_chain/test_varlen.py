@@ -204,13 +204,14 @@ def test_the_chunk_table_maps_each_chunk_to_its_first_token_and_valid_rows():
 @pytest.mark.parametrize("gva, gate", [(False, True), (True, True), (False, False)])
 def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva, gate):
     """On the chain's CuTe path (kernels stubbed: kda_chain.testing.stub_device), an eager packed
-    call hands kda_cute_prep the packed inputs with the chunk table and kda_cute_bwd_chunk the
-    table for the packed gradients: only o and do are gathered (two row gathers, none of the
-    inputs or gradients), the record says `varlen_io native` for both directions, and every
-    gradient comes out on the packed row in its input's form. With GVA and the L2 norm in the op
-    (l2norm_bwd runs after bwd_chunk, on the padded row) dq and dk stay there (`qk_padded`) and
-    are the only gradients gathered back. Without the gate in the op (no padded copy of g: bwd_prep
-    takes g=None beside the forward's gk) every backward launch is recorded for replay."""
+    call hands every kernel that touches the packed row the chunk table: kda_cute_prep the packed
+    inputs, kda_cute_fwd the packed o, kda_cute_dhu and kda_cute_bwd_chunk the packed do, and
+    kda_cute_bwd_chunk the packed gradients: nothing is gathered, the record says `varlen_io native`
+    for each of the four, and every gradient comes out on the packed row in its input's form. With
+    GVA and the L2 norm in the op (l2norm_bwd runs after bwd_chunk, on the padded row) dq and dk
+    stay there (`qk_padded`) and are the only tensors gathered. Without the gate in the op (no
+    padded copy of g: bwd_prep takes g=None beside the forward's gk) every backward launch is
+    recorded for replay."""
     pytest.importorskip("cutlass.cute")
     from kda_chain import stages as S
     from kda_chain import varlen
@@ -222,7 +223,7 @@ def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva, gate):
     real = varlen._gather
     monkeypatch.setattr(varlen, "_gather",
                         lambda x, *a, **k: gathers.append(tuple(x.shape)) or real(x, *a, **k))
-    for name in ("prep", "bwd_chunk"):
+    for name in ("prep", "fwd", "dhu", "bwd_chunk"):
         mod = __import__(f"kda_cute.{name}", fromlist=["launch"])
         launch = mod.launch_raw if name == "bwd_chunk" else mod.launch
         monkeypatch.setattr(mod, launch.__name__, lambda *a, _f=launch, _n=name, **k:
@@ -253,7 +254,8 @@ def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva, gate):
         (bwd_plan,) = [ls for _, ls in S._plans.values() if any(n == "bwd_prep" for n, _, _ in ls)]
         assert all(rp is not None for _, _, rp in bwd_plan), bwd_plan
     T_pad = 64 * sum(-(-n // 64) for n in lens)
-    assert io == [("native", None), ("native", None)], io
-    assert tables == [("prep", True, False), ("bwd_chunk", True, gva)], tables
+    assert io == [("native", None)] * 4, io
+    assert tables == [("prep", True, False), ("fwd", True, False), ("dhu", True, False),
+                      ("bwd_chunk", True, gva)], tables
     qk = [(1, T_pad, H, K)] * 2 if gva else []  # dq, dk after l2norm_bwd's group sum
-    assert gathers == [(1, T_pad, HV, V), (1, T, HV, V), *qk], "o out, do in (and dq, dk) only"
+    assert gathers == qk, "nothing gathered (but dq, dk with GVA and the L2 norm)"

@@ -1,21 +1,28 @@
-"""kda_cute_bwd_chunk's varlen build (a chunk table: packed sequences) writes its gradients on the
-packed row, bit for bit the padded-row build's at the corresponding rows, and nothing else (CPU).
+"""kda_cute_bwd_chunk's varlen build (a chunk table: packed sequences) reads do on the packed row
+and writes its gradients there, bit for bit the padded-row build's at the corresponding rows, and
+nothing else (CPU).
 
 Packed sequences of lengths 1, 63, 64, 65, 3 (T_raw = 196, six chunks on the padded row, T_pad =
 384; chunk valid rows 1, 63, 64, 64, 1, 3). The inputs are random on every padded row, the pad rows
 included (the kernel never stores a pad row's gradient, which is what is tested; the chain's pad
-rows are no-op tokens besides). The interpreter (ptxsim.kda_wy.emulate_bwd_chunk) runs the varlen
-build's PTX with each packed-row output between poisoned guard rows (asserted unchanged) and its
-CTAs in descending chunk order, so a store past a chunk's valid rows (into the next sequence's
-rows) would land after that chunk's own stores and show; then the build without the table on
-the same padded inputs. Checked: (1) every packed row of a chunk that ran equals, bit for bit,
-the padded build's output at its padded row (`index`); (2) every other packed row is still
-poisoned, and with every chunk run (the emit_bf16 build) no row is. Builds: emit_bf16, l2norm,
-the gate (softplus, dt_bias; its per-chunk partials bit for bit too), fp32 dq / dk with GVA; and
-with qk_padded (dq, dk on the padded row: each CTA's 64 padded rows bit for bit the padded
-build's, every other padded row still poisoned; dv2, db, dg as above): fp32 GVA, the gate with GVA.
+rows are no-op tokens besides), except do: the padded build takes the padded do with zero pad rows
+(what the chain's gather gave it), the varlen build the same rows on the packed row, its rows no
+chunk reads NaN / +-Inf (a load of one would reach every valid row's dk through dAqk). The
+interpreter (ptxsim.kda_wy.emulate_bwd_chunk) runs the varlen build's PTX with each packed-row
+output, and do, between poisoned guard rows (the outputs' asserted unchanged; do's poison before
+row 0 and past T_raw) and its CTAs in descending chunk order, so a store past a chunk's valid rows
+(into the next sequence's rows) would land after that chunk's own stores and show; then the build
+without the table on the padded inputs. Two packed rows: the chain's, sequences back to back
+(a chunk's pad rows over the next sequence's valid rows, finite and not zero, or past the end);
+and a gapped one (`gapped`: GAP poisoned rows before, between and after the sequences, which no
+chunk reads or writes). Checked: (1) every packed row of a chunk that ran equals, bit for bit, the
+padded build's output at its padded row; (2) every other packed row is still poisoned, and with
+every chunk run (the emit_bf16 build) no sequence row is. Builds: emit_bf16, l2norm, the gate
+(softplus, dt_bias; its per-chunk partials bit for bit too), fp32 dq / dk with GVA; and with
+qk_padded (dq, dk on the padded row: each CTA's 64 padded rows bit for bit the padded build's,
+every other padded row still poisoned; dv2, db, dg as above): fp32 GVA, the gate with GVA. The
+host's reasons for the table, qk_padded and do's shape.
 """
-
 import pytest
 import torch
 
@@ -45,36 +52,81 @@ def _layout():
 
 
 P, TABLE, T_RAW = _layout()
+GAP = 2  # the gapped packed row's poisoned rows before, between and after the sequences
 
 
-def _check(ptx, a, ctas, qk_padded=False, **kw):
-    """The varlen build against the padded build on `a` (CTAs `ctas`, None: all): bit for bit at
-    every packed row of a chunk that ran, poison elsewhere (qk_padded: dq, dk at every padded row
-    of a chunk that ran). -> the two builds' results."""
+def _gapped():
+    """TABLE, T_RAW with GAP rows before each sequence and after the last on the packed row."""
+    seq = [i for i, n in enumerate(LENS) for _ in range((n + 63) // 64)]  # each chunk's sequence
+    table = TABLE.clone()
+    table[:, 0] += GAP * (torch.tensor(seq, dtype=torch.int32) + 1)
+    return table, T_RAW + GAP * (len(LENS) + 1)
+
+
+TABLE_G, T_RAW_G = _gapped()
+
+
+def _source(table, T_raw):
+    """Each packed row's padded row (-1: no chunk's row, a gap) under `table`."""
+    src = torch.full((T_raw,), -1, dtype=torch.long)
+    for c, (r0, nv) in enumerate(table.tolist()):
+        src[r0:r0 + nv] = torch.arange(64 * c, 64 * c + nv)
+    return src
+
+
+def _poison(shape, dtype):
+    """NaN, +Inf, -Inf in turn along the elements."""
+    n = torch.Size(shape).numel()
+    vals = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)
+    return vals.repeat(n // 3 + 1)[:n].view(shape)
+
+
+def _do_pair(do, table, T_raw):
+    """(the padded do: `do` with its pad rows zero, as the chain's gather leaves them; the packed
+    do [1, T_raw, HV, V]: the same valid rows, its gap rows poisoned)."""
+    src = _source(table, T_raw)
+    on = src >= 0
+    pad = torch.zeros_like(do)
+    pad[0, src[on]] = do[0, src[on]]
+    packed = _poison((1, T_raw, *do.shape[2:]), do.dtype)
+    packed[0, on] = pad[0, src[on]]
+    return pad, packed
+
+
+def _check(ptx, a, ctas, qk_padded=False, gapped=False, **kw):
+    """The varlen build on the packed do against the padded build on the padded do (`_do_pair`;
+    the other inputs `a`; CTAs `ctas`, None: all): bit for bit at every packed row of a chunk that
+    ran, poison elsewhere (qk_padded: dq, dk at every padded row of a chunk that ran); `gapped`:
+    the packed row with poisoned gaps (TABLE_G). -> the two builds' results."""
+    table, T_raw = (TABLE_G, T_RAW_G) if gapped else (TABLE, T_RAW)
     emit = kw.pop("emit_bf16", False)
     ckw = {"q_rstd": kw["rstd"][0], "k_rstd": kw["rstd"][1]} if "rstd" in kw else {}
     ckw.update(kw.get("gate", {}))
-    vl = dict(table=TABLE, T_raw=T_RAW, **({"qk_padded": True} if qk_padded else {}))
-    text = ptx(C.compile_for(*a, SCALE, emit_bf16=emit, **ckw, keep_ptx=True, **vl))
+    pad, packed = _do_pair(a[8], table, T_raw)
+    a, av = list(a), list(a)
+    a[8], av[8] = pad, packed
+    vl = dict(table=table, T_raw=T_raw, **({"qk_padded": True} if qk_padded else {}))
+    text = ptx(C.compile_for(*av, SCALE, emit_bf16=emit, **ckw, keep_ptx=True, **vl))
     assert "Varlen" in text.split(".entry", 1)[1].split("(", 1)[0]
     assert ".local" not in text.split(".entry", 1)[1], "register arrays fell to local memory"
-    got = emulate_bwd_chunk(text, a, emit_bf16=emit, ctas=ctas, **vl, **kw)
+    got = emulate_bwd_chunk(text, av, emit_bf16=emit, ctas=ctas, **vl, **kw)
     base = emulate_bwd_chunk(ptx(C.compile_for(*a, SCALE, emit_bf16=emit, **ckw, keep_ptx=True)), a,
                              emit_bf16=emit, ctas=ctas, **kw)
     HV = a[2].shape[2]
-    run = torch.zeros(T_RAW, HV, dtype=torch.bool)  # (packed row, hv) some CTA that ran owns
+    run = torch.zeros(T_raw, HV, dtype=torch.bool)  # (packed row, hv) some CTA that ran owns
     runp = torch.zeros(P.T_pad, HV, dtype=torch.bool)  # (padded row, hv) the same
-    for tx, hv, _ in ctas or [(c, h, 0) for c in range(TABLE.shape[0]) for h in range(HV)]:
-        r0, nv = TABLE[tx].tolist()
+    for tx, hv, _ in ctas or [(c, h, 0) for c in range(table.shape[0]) for h in range(HV)]:
+        r0, nv = table[tx].tolist()
         run[r0:r0 + nv, hv] = True
         runp[tx * 64:tx * 64 + 64, hv] = True
     assert run.any()
+    src = _source(table, T_raw).clamp(min=0)  # (a gap row's 0: never an owned row)
     for name, x, y in zip(NAMES, got[:5], base[:5], strict=True):
         padded = qk_padded and name in ("dq", "dk")
-        R = P.T_pad if padded else T_RAW
+        R = P.T_pad if padded else T_raw
         assert x.shape[:3] == (1, R, HV) and x.dtype == y.dtype, name
         own = runp if padded else run
-        want = y[0] if padded else y[0, P.index]  # the padded build's rows (gathered to the packed row)
+        want = y[0] if padded else y[0, src]  # the padded build's rows (gathered to the packed row)
         x = x[0]
         same = (x.view(torch.uint8) == want.view(torch.uint8)).reshape(R, HV, -1).all(-1)
         nan = torch.isnan(x.float()).reshape(R, HV, -1).all(-1)
@@ -100,18 +152,20 @@ def test_table_matches_the_packing():
 
 
 def test_emit_bf16_every_chunk(ptx):
-    """The chain's build (HV == H, emit_bf16) over every chunk: every packed row written, by its
-    chunk only, bit for bit."""
-    got, _ = _check(ptx, _inputs(seed=1), None, emit_bf16=True)
+    """The chain's build (HV == H, emit_bf16) over every chunk, on the gapped packed row (do
+    poisoned before, between and after the sequences): every sequence row written, by its chunk
+    only, bit for bit; the gaps never."""
+    got, _ = _check(ptx, _inputs(seed=1), None, emit_bf16=True, gapped=True)
     assert got[0].dtype == torch.bfloat16
+    seq = _source(TABLE_G, T_RAW_G) >= 0
     for name, x in zip(NAMES, got, strict=True):
-        assert not torch.isnan(x.float()).any(), f"{name}: a packed row left unwritten"
+        assert not torch.isnan(x[0, seq].float()).any(), f"{name}: a packed row left unwritten"
 
 
 def test_l2norm_build(ptx):
     """The l2norm row pass: reads the rstds on the padded row, writes dq, dk on the packed row.
-    Chunks 5 (the last: 3 valid rows, 61 past the tensor's end) and 1 (63 valid: its pad row is
-    packed row 64, chunk 2's)."""
+    Chunks 5 (the last: 3 valid rows, 61 past the tensor's end: do's guard rows) and 1 (63
+    valid: its pad row is packed row 64, chunk 2's)."""
     a = _inputs(seed=2, normalized=True)
     g = torch.Generator().manual_seed(9)
     rstd = tuple(torch.rand(1, P.T_pad, 1, generator=g) + 0.5 for _ in range(2))
@@ -140,8 +194,10 @@ def _check_gate(ptx, a, ctas, **kw):
 
 def test_gate_build(ptx):
     """The gate row pass (softplus, dt_bias): reads the raw gate on the padded row, writes dg on
-    the packed row; the per-chunk dA_log / ddt_bias partials stay per padded chunk, bit for bit."""
-    _check_gate(ptx, _inputs(seed=3, normalized=True), [(5, 0, 0), (1, 0, 0)])
+    the packed row; the per-chunk dA_log / ddt_bias partials stay per padded chunk, bit for bit.
+    The gapped packed row: chunks 5 (3 valid rows, then the last gap) and 1 (63 valid, then the
+    gap before sequence 2)."""
+    _check_gate(ptx, _inputs(seed=3, normalized=True), [(5, 0, 0), (1, 0, 0)], gapped=True)
 
 
 def test_fp32_gva(ptx):
@@ -154,11 +210,12 @@ def test_fp32_gva(ptx):
 
 def test_qk_padded_fp32_gva(ptx):
     """qk_padded (GVA, fp32 dq / dk per value head, fp16): dq, dk [1, T_pad, HV, K] at every
-    padded row of chunks 5 (3 valid rows) and 1 (63 valid), pad rows included; dv2, db, dg packed."""
+    padded row of chunks 5 (3 valid rows) and 1 (63 valid), pad rows included (do's: zeros, the
+    padded build's); dv2, db, dg packed. The gapped packed row."""
     a = _inputs(HV=2, H=1, dtype=torch.float16, seed=6)
-    got, _ = _check(ptx, a, [(5, 1, 0), (1, 0, 0)], qk_padded=True)
+    got, _ = _check(ptx, a, [(5, 1, 0), (1, 0, 0)], qk_padded=True, gapped=True)
     assert got[0].dtype == torch.float32 and got[0].shape == (1, P.T_pad, 2, 128)
-    assert got[2].shape[1] == T_RAW
+    assert got[2].shape[1] == T_RAW_G
 
 
 def test_qk_padded_gate_gva(ptx):
@@ -173,6 +230,7 @@ def test_qk_padded_outputs_and_reasons(monkeypatch):
     """qk_padded's allocation (dq, dk padded, the rest packed), its compile key and its reasons
     (is_supported with the device check stubbed: no GPU here)."""
     a = wy_inputs(B=1, T=P.T_pad, H=1, HV=2, V=64)
+    a[8] = a[8][:, :T_RAW].contiguous()  # do on the packed row
     cfg, outs, _, _ = C._prepare(*a, SCALE, table=TABLE, T_raw=T_RAW, qk_padded=True)
     assert [tuple(t.shape[:2]) for t in outs] == [(1, P.T_pad)] * 2 + [(1, T_RAW)] * 3
     assert cfg.varlen and cfg.qk_padded
@@ -204,3 +262,37 @@ def test_table_reasons():
     a = wy_inputs(B=1, T=P.T_pad, H=1, HV=1, V=64)
     with pytest.raises(ValueError, match="unsupported call"):
         C.bwd_chunk(*a, SCALE, table=TABLE)
+
+
+def test_do_reasons(monkeypatch):
+    """With a table do must be the packed row's [1, T_raw, HV, V] (v's dtype, contiguous): one-line
+    reasons for the padded do and other wrong ones; without a table the padded one, as before
+    (is_supported with wy_dqkg's checks stubbed where they would want a GPU)."""
+    a = wy_inputs(B=1, T=P.T_pad, H=1, HV=2, V=64)
+    padded = a[8]
+    packed = padded[:, :T_RAW].contiguous()
+    no_table = C.is_supported(*a[:8], packed, *a[9:], SCALE)  # wy_dqkg's do shape check, first
+    assert "do must be [B,T,HV,V]" in no_table
+    monkeypatch.setattr(C._wy, "_hard_reason", lambda *args: None)
+    vl = dict(table=TABLE, T_raw=T_RAW)
+
+    def reason(do):
+        return C.is_supported(*a[:8], do, *a[9:], SCALE, **vl)
+
+    assert reason(packed) is None
+    bad = {
+        "the padded row": padded,
+        "HV": packed[:, :, :1].contiguous(),
+        "V": packed[..., :32].contiguous(),
+        "rows": packed[:, :-1].contiguous(),
+        "3-d": packed[0],
+    }
+    for what, do in bad.items():
+        r = reason(do)
+        assert r is not None and "do must be on the packed row [1,T_raw,HV,V] = (1, 196, 2, 64)" in r, what
+        assert "\n" not in r, what
+    assert "dtype" in reason(packed.half())
+    strided = torch.empty(1, 64, T_RAW, 2, dtype=packed.dtype).permute(0, 2, 3, 1)
+    assert reason(strided) == "do is not contiguous"
+    with pytest.raises(ValueError, match="unsupported call: with a chunk table do must be on the packed row"):
+        C.bwd_chunk(*a, SCALE, **vl)

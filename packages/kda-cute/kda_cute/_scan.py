@@ -545,3 +545,46 @@ def compile_only(build, kernel, cfg, args, dyn):
 
     views = [cute_view(t, d) for t, d in zip(args, dyn, strict=True)]
     return cute.compile(compile_fn(build(cfg), kernel), *views, cuda.CUstream(0), options="--keep-ptx")
+
+
+@cute.jit
+def store_packed(o_tma, mO: cute.Tensor, s_tile: cute.Tensor, swizzle, row0, nv, vt, hv, wtid):
+    """(one warpgroup, after the barrier over its smem tile) a chunk's (BV, BT) (v, t) tile of a
+    col-view output [1, T_raw, heads, V] (TMA operand `o_tma`, plain tensor `mO`; `swizzle`: the
+    tile's, its staged layout's `inner`) to the packed row's rows row0 .. row0 + nv (the chunk
+    table's entry; rows >= nv are pad rows, never written). A full chunk (nv == BT) leaves as
+    the padded-row build's does: one TMA store from thread 0, its box at row offset row0 (a
+    domain offset of the TMA coordinates: any row). A partial one (a sequence's last) cannot: a
+    64-row box would overwrite the next sequence's first rows while another CTA writes them, and
+    TMA clips only at T_raw. Its valid rows go by 16-byte stores of every thread (8 threads a
+    row, 4 passes of 16 rows), predicated on the row, straight from smem; thread 0 then commits
+    an empty bulk group, so every chunk commits exactly one and the callers'
+    cp_async_bulk_wait_group(1) still means 'the chunk before last'."""
+    if nv == BT:
+        if wtid == 0:
+            g = cute.local_tile(cute.domain_offset((0, row0, 0, 0), o_tma[1]), (BV, BT), (vt, None, hv, 0))
+            ts, tg = tma_part(o_tma[0], s_tile, g)
+            store_chunk((o_tma[0], ts, tg), 0)
+    else:
+        dt = mO.element_type
+        vec = 128 // dt.width  # elements of one 16-byte store
+        per_row = BV // vec  # threads per row
+        tiled = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=128),
+            cute.make_layout((per_row, THREADS // per_row), stride=(1, per_row)),
+            cute.make_layout((vec, 1)),
+        )
+        thr = tiled.get_slice(wtid)
+        # the tile again from its address, 1024-aligned (its buffer's start): the caller's pointer,
+        # offset by the chunk's parity at run time, has lost the alignment a 16-byte access needs
+        base = cute.make_ptr(dt, s_tile.iterator.toint(), cute.AddressSpace.smem, assumed_align=1024,
+                             swizzle_=swizzle)
+        tS = thr.partition_S(cute.make_tensor(base, s_tile.layout))
+        g = cute.local_tile(cute.domain_offset((0, row0, 0, 0), mO), (BV, BT), (vt, 0, hv, 0))
+        tD = thr.partition_D(g)
+        rows = THREADS // per_row  # rows per pass of the warpgroup
+        for i in cutlass.range_constexpr(BT // rows):
+            if wtid // per_row + rows * i < nv:
+                cute.copy(tiled, tS[None, None, i], tD[None, None, i])
+        if wtid == 0:
+            cute.arch.cp_async_bulk_commit_group()

@@ -24,14 +24,18 @@ factors (gk, Akk), every gradient of the chunk-parallel backward:
         through the walk's dead dAqk tile: no atomics, bitwise repeatable); the host sums them over
         (B, NT) with torch as fla sums its per-block ones (dA_log in A_log's dtype and shape,
         ddt_bias [HV * K] in dt_bias's)
-    with a chunk `table` and T_raw (varlen: packed sequences, kda_chain.varlen; B == 1): the inputs
-        on the padded row [1, T, ...] as without it (every sequence starting on a chunk, its last
-        chunk filled with pad rows; the rstds and the raw gate too), the five outputs dq, dk, dv2,
-        db, dg on the packed row [1, T_raw, ...]: table int32 [T / 64, 2], per chunk c of the
-        padded row table[c, 0] the packed row of its first row and table[c, 1] its valid rows nv
-        (1..64); its row r < nv goes to packed row table[c, 0] + r, the pad rows' gradients are
-        never stored (the rows past nv are the next sequence's, another CTA's, or past the end),
-        so the chain gathers no gradient back. The arithmetic is the padded build's: each packed
+    with a chunk `table` and T_raw (varlen: packed sequences, kda_chain.varlen; B == 1): do, the
+        user's output gradient, on the packed row [1, T_raw, HV, V] as the user gives it; the
+        other inputs on the padded row [1, T, ...] as without a table (every sequence starting on
+        a chunk, its last chunk filled with pad rows; the rstds and the raw gate too); the five
+        outputs dq, dk, dv2, db, dg on the packed row [1, T_raw, ...]. table int32 [T / 64, 2],
+        per chunk c of the padded row table[c, 0] the packed row of its first row and table[c, 1]
+        its valid rows nv (1..64): its row r < nv is packed row table[c, 0] + r, both for do's
+        loads and for the gradients' stores. Rows r >= nv are neither loaded nor stored (they are
+        the next sequence's, another CTA's, or past the end): do's pad rows are zeros in the
+        kernel (never read, so no value there, NaN / Inf / -0 among them, reaches a gradient), the
+        pad rows' gradients are never stored, so the chain gathers neither do in nor a gradient
+        back. The arithmetic is the padded build's on a padded do with zero pad rows: each packed
         row bit for bit its padded row's. The gate's partials stay per padded chunk. A kernel of
         its own (wy_dqkg's `_Varlen`): the build without a table is unchanged, PTX and all
     with a table and qk_padded=True (GVA with the L2 norm in the op: the chain's l2norm_bwd runs
@@ -80,11 +84,13 @@ the shared intra walk, so neither part can drift from its standalone kernel.
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_bwd_chunk_compile.py) against
 float64 and against the two standalone kernels' PTX (the gate build: against the build without it
 followed by the gate's backward in fp32); the varlen build against the build without a table
-(tests/kda_cute/test_bwd_chunk_varlen.py: bit for bit at every packed row, nothing stored outside
-them). The gate build is not timed on its own on the H200 yet (the figures above are the chain's
-flags, with it); the varlen build ran there through the chain (tests/gpu/test_varlen_gpu.py,
-2026-12-04: every gradient within 2x fla's error, packed sequences bitwise independent), not timed
-on its own.
+(tests/kda_cute/test_bwd_chunk_varlen.py: the varlen build on a packed do whose rows no chunk
+reads, between and around the sequences, are NaN / Inf, the padded build on the padded do with
+zero pad rows; bit for bit at every packed row, nothing stored outside them). The gate build is
+not timed on its own on the H200 yet (the figures above are the chain's flags, with it); the
+varlen build ran there through the chain (tests/gpu/test_varlen_gpu.py, 2026-12-04, do still on
+the padded row then: every gradient within 2x fla's error, packed sequences bitwise
+independent), not timed on its own.
 """
 
 from __future__ import annotations
@@ -155,13 +161,35 @@ def _table_reason(v, table, T_raw, qk_padded=False, q_rstd=None) -> str | None:
     return _warp.table_reason(table, v.device, T // BT)
 
 
+def _do_reason(v, do, T_raw) -> str | None:
+    """The varlen build's do: on the packed row [1, T_raw, HV, V], in v's dtype, contiguous and
+    16-byte aligned on v's device (v's checks, the device's among them, are wy_dqkg's, which
+    without a table check do as v's [B, T, HV, V]); or why not. After _table_reason: T_raw is a
+    valid int here."""
+    want = (1, T_raw, *v.shape[2:])
+    if not isinstance(do, torch.Tensor) or tuple(do.shape) != want:
+        got = tuple(do.shape) if isinstance(do, torch.Tensor) else type(do).__name__
+        return f"with a chunk table do must be on the packed row [1,T_raw,HV,V] = {want}; got {got}"
+    if do.dtype != v.dtype:
+        return f"do dtype {do.dtype}, v's {v.dtype} (one io dtype)"
+    if not do.is_contiguous():
+        return "do is not contiguous"
+    if do.data_ptr() % 16:
+        return "do is not 16-byte aligned"
+    return None if do.device == v.device else f"do on {do.device}, the inputs on {v.device}"
+
+
 def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
                  k_rstd=None, g=None, A_log=None, dt_bias=None, lower_bound=None, table=None,
                  T_raw=None, qk_padded=False) -> str | None:
     """None when `bwd_chunk` runs the CuTe kernel on these arguments, else the reason it would not."""
-    return (_wy._hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv)
+    vl = table is not None
+    # varlen: do is on the packed row, not v's: v_new (checked there too) takes its place in the
+    # padded row's checks, and do has its own after the table's (which validates T_raw)
+    return (_wy._hard_reason(q, k, v, v_new, gk, beta, Akk, h, v_new if vl else do, dh, dv)
             or _rstd_reason(q, v, q_rstd, k_rstd) or _gate_reason(gk, g, A_log, dt_bias)
-            or _table_reason(v, table, T_raw, qk_padded, q_rstd))
+            or _table_reason(v, table, T_raw, qk_padded, q_rstd)
+            or (_do_reason(v, do, T_raw) if vl else None))
 
 
 def _config(q, v, beta, scale, emit_bf16, l2norm, g=None, A_log=None, dt_bias=None,
@@ -272,8 +300,8 @@ def bwd_chunk(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=Fal
     """wy_dqkg (want_dAqk) then intra (fold_dg) in one kernel -> (dq, dk, dv2, db, dg, dA_log,
     ddt_bias); with q_rstd, k_rstd also l2norm_bwd of dq, dk; with A_log (and the raw gate g) also
     fla's gate backward (dg then g's gradient, in g's dtype), else dA_log, ddt_bias None; with a
-    chunk `table` (and T_raw) dq, dk, dv2, db, dg on the packed row [1, T_raw, ...] (the module
-    docstring's varlen), with qk_padded dq, dk on the padded row [1, T, ...]. Fresh outputs."""
+    chunk `table` (and T_raw) do and dq, dk, dv2, db, dg on the packed row [1, T_raw, ...] (the
+    module docstring's varlen), with qk_padded dq, dk on the padded row [1, T, ...]. Fresh outputs."""
     reason = is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16, q_rstd, k_rstd,
                           g, A_log, dt_bias, lower_bound, table, T_raw, qk_padded)
     if reason is not None:

@@ -29,7 +29,28 @@ MN-major); do (V, T). dh leaves by TMA store from the bf16 smem copy that is als
 `kg @ dh`; dv2 from the bf16 buffer that is the B operand of `w^T @ dv2`. smem per stage: kg, qg,
 w 16 KB each, Aqk 8 KB, do 8 KB per V tile; per warpgroup the dh (16 KB) and dv2 (8 KB) buffers.
 
-Constraints: bf16 / fp16; K = 128; V % 64 == 0; HV % H == 0; contiguous, aligned, no varlen;
+Packed sequences (`chunks`, int32 [N + 1]: each sequence's chunks on the one padded row [1, T_pad,
+...] of kda_chain.varlen, one CTA z per sequence; h0 / dht / dh0 [N, ...]). With the chunk table
+too (`table`, int32 [T_pad / 64, 2], compiled in: the config's `table`) do is read straight from
+the packed row [1, T_raw <= T_pad, HV, V], so the chain need not gather it onto the padded row
+(index_select + index_fill, 0.59 ms at 131072 tokens): padded chunk j's row r < nv = table[j, 1]
+is do's row table[j, 0] + r. Its do tiles are TMA boxes at that row (the coordinate tensor
+`cute.domain_offset` by it: any row); a chunk's nv and the packed row its refill loads are read
+at the top of the iteration beside gk's row, so the refill's address waits on no load. A box
+past a chunk's valid rows holds the next sequence's rows (or TMA's zero fill past do's end): the
+partial chunk (only a sequence's last, the walk's first) sets its do tile's rows >= nv to +0 in
+smem once the stage landed, before the fence + barrier that already publish the masked Aqk to the
+wgmmas (no barrier of its own; a full chunk runs no pass of the loop), so they are exact zeros
+in every product and no other sequence's value (NaN, Inf, -0) reaches it. (A predicated cp.async
+of that chunk instead would add a second copy path and its wait to the ring.) Everything else
+(qg, kg, w, gk, Aqk and every output) stays on the padded row; without the table the build is
+the one before it byte for byte (PTX compared). Registers (ptxas 13.0, sm_90a, no spills): 156 /
+171 without the table (one / two warpgroups, with dht / dh0), 158 / 174 with it. H200
+2026-12-04, 16 sequences of 4890..10917 tokens (131072), H = HV = 16, V = 256: table build
+1.775 ms (primed) vs the padded build 1.885 plus the gather 0.586; bitwise equal outputs.
+
+Constraints: bf16 / fp16; K = 128; V % 64 == 0; HV % H == 0; contiguous, aligned; packed: B = 1,
+T_pad % 64 == 0, the table needs chunks and its contents are trusted (not read on the host);
 h0 / dht / dh0 fp32 [B, HV, K, V]; Aqk [B, T, HV, 64] in do's dtype; at least GRID_FLOOR = 32
 V tiles (B * HV * V / 64): below that not timed, fla runs.
 
@@ -60,6 +81,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _warp
 from . import scan_policy as P
 from ._common.cache import CallCache, alloc
 from ._common.lazy import LazyModule
@@ -90,6 +112,9 @@ class DhuConfig(P.ScanConfig):
     has_dh0: bool
     has_dht: bool
     scale: float
+    # do read from the packed row through the padded row's chunk table (module docstring); off,
+    # the build is today's byte for byte (the table's code is all under const_expr)
+    table: bool = False
 
 
 class _Dhu(P.Build):
@@ -114,8 +139,12 @@ def _dhu_kernel(cfg):
     import cutlass.cute as cute
 
     class K:
-        def operands(self, qg, kg, w, gk, dht, do, aqk, dh, dh0, dv2, chunks):
-            # the kernel's arguments: its TMA operands (in its order), then the others
+        def operands(self, qg, kg, w, gk, dht, do, aqk, dh, dh0, dv2, *tail):
+            # the kernel's arguments: its TMA operands (in its order), then the others. `tail`:
+            # (chunks,), or with the table build (table, chunks) (chunks last: compile_fn's grid z),
+            # which reach the kernel as its mChunks argument (chunks, table), so the kernel without
+            # the table keeps its parameters (and PTX)
+            chunks = tail[-1] if not cfg.table else (tail[1], tail[0])
             tmas = (
                 S.tma_load(S.row_view(kg), cfg.l_kg, (S.BT, S.KD)),
                 S.tma_load(S.col_view(qg), cfg.l_q, (S.KD, S.BT)),
@@ -133,6 +162,8 @@ def _dhu_kernel(cfg):
                          mma_kv: cute.TiledMma):
             kg, q, w, a, do, h, v = S.pairs(tmas)
             nst, nwg = cfg.stages, cfg.nwg
+            if cutlass.const_expr(cfg.table):
+                mChunks, mTable = mChunks
             cta = S.Cta(cfg, mGk, mChunks)
             tid, wg, wtid, bv, hv, b, vt = cta.tid, cta.wg, cta.wtid, cta.bv, cta.hv, cta.b, cta.vt
             hk, hq, T, NT, c0, mbar, sG = cta.hk, cta.hq, cta.T, cta.NT, cta.c0, cta.mbar, cta.sG
@@ -148,10 +179,16 @@ def _dhu_kernel(cfg):
             ]
             st_h = S.store(h, sH, (S.BV, S.KD), (vt, 0, hv, None, b))
             st_v = S.store(v, sV, (S.BV, S.BT), (vt, None, hv, b))
-            for i in cutlass.range_constexpr(nwg):
-                vti = bv * nwg + i
-                loads.append(S.load(do, sDo, (S.BV, S.BT), (vti, None, hv, b), nwg, i))
+            if cutlass.const_expr(not cfg.table):
+                for i in cutlass.range_constexpr(nwg):
+                    vti = bv * nwg + i
+                    loads.append(S.load(do, sDo, (S.BV, S.BT), (vti, None, hv, b), nwg, i))
             S.prologue(mbar, nst, cfg.tx_bytes, loads, c0 + NT - 1, -1, NT, tid)
+            if cutlass.const_expr(cfg.table):  # do's tiles of the first chunks (the stages' expect_tx
+                if tid < 32:  # counted them already), warp 0 whole as issue_chunk
+                    for i in cutlass.range_constexpr(nst):
+                        if i < NT:
+                            _load_do(do, sDo, mbar, i, mTable[c0 + NT - 1 - i, 0], bv, hv, nwg)
 
             thr_tt = mma_tt.get_slice(wtid)
             thr_kv = mma_kv.get_slice(wtid)
@@ -181,11 +218,19 @@ def _dhu_kernel(cfg):
                 s = j % nst
                 phase = (j // nst) % 2
                 last = cutlass.min((c + 1) * S.BT, T) - 1
+                if cutlass.const_expr(cfg.table):
+                    # read at the chunk's start, beside gk's row, so their latencies overlap: the
+                    # chunk's valid rows, and the packed row of the chunk the refill loads (c - nst:
+                    # the walk is newest first; clamped to a chunk of the table where none is)
+                    nv = mTable[c, 1]
+                    row_next = mTable[cutlass.max(c - nst, c0), 0]
                 S.load_row_scale(sG, mGk[None, last, hv, b], tid)
                 S.frag_to_smem(acc, tSsH, cfg.dtype)
                 cute.arch.mbarrier_wait(mbar + s, phase)
                 # Aqk's strictly-upper triangle (s > r) zeroed: fla's fwd_intra leaves it unwritten
                 S.mask_upper(S.transposed(sA[None, None, s]), tid, S.THREADS * nwg)
+                if cutlass.const_expr(cfg.table):  # a partial chunk's rows >= nv: other rows of do
+                    _zero_rows(sDo[None, None, s * nwg + wg], nv, wtid)
                 S.sync_smem_for_async()
                 if wtid == 0:
                     S.store_chunk(st_h, c)
@@ -213,31 +258,81 @@ def _dhu_kernel(cfg):
                 if tid < 32:  # warp 0 whole: see S.issue_chunk
                     if j + nst < NT:
                         S.issue_chunk(mbar, s, cfg.tx_bytes, loads, c0 + NT - 1 - (j + nst))
+                        if cutlass.const_expr(cfg.table):
+                            _load_do(do, sDo, mbar, s, row_next, bv, hv, nwg)
 
             S.finish(acc, tSgDh0 if cfg.has_dh0 else None, wtid)
+
+    @cute.jit
+    def _load_do(do, sDo, mbar, s, row0, bv, hv, nwg: cutlass.Constexpr):
+        """(warp 0 whole; see S.issue_chunk) the table build's TMA loads of do's tiles of one
+        chunk into stage s (one per warpgroup's V tile), from packed row `row0`: the TMA
+        coordinates offset by row0 (cute.domain_offset; any row, not a multiple of 64). The box
+        runs 64 rows from there: a partial chunk's rows past its valid ones are the next
+        sequence's (`_zero_rows` clears them) or past do's end (TMA zero-fills those). The stage's
+        expect_tx is issue_chunk's: the box's full bytes arrive either way."""
+        gdo = cute.domain_offset((0, row0, 0, 0), do[1])
+        for i in cutlass.range_constexpr(nwg):
+            ts, tg = S.tma_part(do[0], sDo, cute.local_tile(gdo, (S.BV, S.BT), (bv * nwg + i, None, hv, 0)))
+            cute.copy(do[0], tg[None, 0], ts[None, s * nwg + i], tma_bar_ptr=mbar + s)
+
+    @cute.jit
+    def _zero_rows(sDo, nv, wtid):
+        """A warpgroup's do tile (v, t) in smem: token rows t >= nv set to +0 (a generic-proxy
+        write: the caller's sync_smem_for_async publishes it to the wgmmas). Only a sequence's
+        last chunk has nv < 64 (the walk's first), so full chunks skip the loop; 64 v per row,
+        two rows per pass of the 128 threads."""
+        for t in cutlass.range(nv + wtid // S.BV, S.BT, S.THREADS // S.BV, unroll=1):
+            sDo[wtid % S.BV, t] = sDo.element_type(0.0)
 
     k = K()
     return k.operands, k.kda_cute_dhu
 
 
 # ------------------------------------------------------------------------------------ host side
-def is_supported(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, chunks=None) -> str | None:
-    return device_reason(do) or static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk, chunks)
+def is_supported(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, chunks=None, *,
+                 table=None) -> str | None:
+    return device_reason(do) or static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk, chunks, table=table)
 
 
-def static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None) -> str | None:
+def static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None, *, table=None) -> str | None:
     """Shape / dtype / layout checks and the grid floor (no device needed)."""
-    r = hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk, chunks)
+    r = hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk, chunks, table=table)
     if r:
         return r
     B, T, HV, V = do.shape
     return P.floor_reason((P.seqs(do, chunks), T, HV, V), GRID_FLOOR)
 
 
-def hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None) -> str | None:
-    """What the kernel cannot compute at all (shape / dtype / layout)."""
+def _table_reason(qg, do, chunks, table) -> str | None:
+    """The table build's own reasons: chunks given, B = 1, the chunk table of qg's padded row
+    (`_warp.table_reason`: int32 [T_pad / 64, 2], contiguous, on do's device) and do the packed
+    row [1, T_raw, HV, V] with 1 <= T_raw <= T_pad. The table's contents are trusted, not read
+    (that would sync the host)."""
+    if chunks is None:
+        return "a chunk table (table=) needs chunks (each sequence's chunks on the padded row)"
+    if qg.dim() != 4 or qg.shape[0] != 1 or qg.shape[1] % P.BT:
+        return f"with a table qg is the padded row [1, T_pad, H, K], T_pad % 64 == 0; got {tuple(qg.shape)}"
+    T_pad = qg.shape[1]
+    r = _warp.table_reason(table, do.device, T_pad // P.BT)
+    if r:
+        return r
+    if table.data_ptr() % 16:
+        return "table not 16-byte aligned"
+    if do.dim() != 4 or do.shape[0] != 1 or not 1 <= do.shape[1] <= T_pad:
+        return f"with a table do is the packed row [1, T_raw <= {T_pad}, HV, V]; got {tuple(do.shape)}"
+    return None
+
+
+def hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None, *, table=None) -> str | None:
+    """What the kernel cannot compute at all (shape / dtype / layout). With `table` every
+    operand but do is on the padded row (T = qg's), do on the packed row."""
     if Aqk is None or dv is not None:
         return "the kernel takes Aqk and no dv (it computes dv = tril(Aqk)^T do itself)"
+    if table is not None:
+        r = _table_reason(qg, do, chunks, table)
+        if r:
+            return r
     if do.dtype not in P.DTYPES:
         return f"dtype {do.dtype} (bf16/fp16 only)"
     if any(t.dtype != do.dtype for t in (qg, kg, w, Aqk)):
@@ -247,6 +342,8 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None) -> str | 
     if any(t.dim() != 4 for t in (qg, kg, w, gk, do, Aqk)):
         return "expected [B, T, heads, dim] tensors (varlen / cu_seqlens not supported)"
     B, T, HV, V = do.shape
+    if table is not None:
+        T = qg.shape[1]
     K = w.shape[-1]
     r = P.extent_reason(K, V, T)
     if r:
@@ -263,7 +360,7 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None) -> str | 
     for name, t in (("qg", qg), ("kg", kg), ("w", w), ("gk", gk), ("do", do), ("Aqk", Aqk)):
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
-    r = P.chunks_reason(chunks, do)
+    r = P.chunks_reason(chunks, do if table is None else Aqk)  # (with a table: the padded row's T)
     if r:
         return r
     for name, t in (("h0", h0), ("dht", dht)):
@@ -273,8 +370,9 @@ def hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None) -> str | 
     return None
 
 
-def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups):
-    B, T, HV, V = do.shape
+def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups, table):
+    B, _, HV, V = do.shape
+    T = qg.shape[1]  # (with a table the padded row's; do is the packed row)
     N = P.seqs(do, chunks)
     stages, nwg = P.pick_build(variant(N, HV, V), stages, warpgroups, V)
     K = w.shape[-1]
@@ -284,9 +382,9 @@ def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups):
     dev = do.device
     dh = alloc((B, NT, HV, K, V), qg.dtype, do)
     dh0 = alloc((N, HV, K, V), torch.float32, do) if h0 is not None else None
-    dv2 = alloc(do.shape, do.dtype, do)
+    dv2 = alloc((B, T, HV, V), do.dtype, do)
     dummy = P.dummy(dev)
-    table, table_dyn = P.chunk_args(chunks, dev)
+    ctab, ctab_dyn = P.chunk_args(chunks, dev)
     args = (
         qg,
         kg,
@@ -298,7 +396,8 @@ def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups):
         dh,
         dh0 if dh0 is not None else dummy,
         dv2,
-        table,
+        *(() if table is None else (table,)),  # (the table build's; chunks stay last: compile_fn)
+        ctab,
     )
     dyn = ((0, 1),) * 4 + (
         (0,) if dht is not None else (),
@@ -307,37 +406,41 @@ def _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups):
         (0, 1),
         (0,) if dh0 is not None else (),
         (0, 1),
-        table_dyn,
+        *(() if table is None else ((0,),)),
+        ctab_dyn,
     )
     cfg = DhuConfig.of(do, kg, stages, nwg, chunks, ratio_q=HV // qg.shape[2], has_dh0=dh0 is not None,
-                       has_dht=dht is not None, scale=float(scale))
+                       has_dht=dht is not None, scale=float(scale), table=table is not None)
     return (dh, dh0, dv2), args, dyn, cfg
 
 
 def compile_for(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, chunks=None, *, stages=None,
-                warpgroups=None):
+                warpgroups=None, table=None):
     """Compile without launching (CPU tests); returns the compiled object."""
-    _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups)
+    _, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups, table)
     return S.compile_only(_Dhu, _dhu_kernel, cfg, args, dyn)
 
 
 def bwd_dhu(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, chunks=None, *, stages=None,
-            warpgroups=None):
+            warpgroups=None, table=None):
     """-> (dh [B, NT, HV, K, V] in qg's dtype, dh0 fp32 or None (None when h0 is None), dv2 in do's
     dtype). The contract's fused form only: dv None, Aqk given (dv2 = tril(Aqk)^T do + kg dh).
     `chunks`: packed sequences, as in b1.fwd_h (dht / dh0 [N, ...]). `stages` / `warpgroups`: the
-    compiled variant (see b1.fwd_h). Raises ValueError on a call the kernel cannot compute (shape,
-    dtype, layout, device)."""
-    r = hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk, chunks) or device_reason(do)
+    compiled variant (see b1.fwd_h). `table` (with `chunks`, B = 1): do is the packed row [1, T_raw,
+    HV, V], read through the padded row's chunk table (kda_chain.varlen: int32 [T_pad / 64, 2]),
+    every other operand and the outputs on the padded row [1, T_pad, ...] (module docstring).
+    Raises ValueError on a call the kernel cannot compute (shape, dtype, layout, device)."""
+    r = hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk, chunks, table=table) or device_reason(do)
     if r is not None:
         raise ValueError(f"kda_cute.dhu.bwd_dhu: unsupported call: {r}")
-    return launch(qg, kg, w, gk, h0, dht, do, dv, scale, Aqk, chunks, stages=stages, warpgroups=warpgroups)
+    return launch(qg, kg, w, gk, h0, dht, do, dv, scale, Aqk, chunks, stages=stages, warpgroups=warpgroups,
+                  table=table)
 
 
 def launch(qg, kg, w, gk, h0, dht, do, dv, scale=None, Aqk=None, chunks=None, *, stages=None,
-           warpgroups=None):
+           warpgroups=None, table=None):
     """`bwd_dhu` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
-    outs, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups)
+    outs, args, dyn, cfg = _plan(qg, kg, w, gk, h0, dht, do, Aqk, scale, chunks, stages, warpgroups, table)
     S.run_cached(_cache, _Dhu, _dhu_kernel, cfg, args, dyn)
     return outs

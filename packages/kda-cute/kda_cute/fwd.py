@@ -29,8 +29,22 @@ no q-head ratio here. smem per stage: w, qg, kg 16 KB each, Aqk 8, u 8 per V til
 TMA store from two 8 KB buffers per warpgroup (chunk parity). One CTA barrier per chunk (the
 shared Aqk mask). No per-chunk state leaves the CTA; q stays in the contract but is not read.
 
-Constraints: b1's (bf16 / fp16, K = 128, V % 64 == 0, HV % H == 0, contiguous, aligned, no
-varlen), plus qg [B, T, HV, 128] and Aqk [B, T, HV, 64] (chunk 64) in u's dtype.
+Packed sequences: `chunks` (b1's: int32 [N + 1] chunk offsets on the padded row [1, T_pad, ...],
+one CTA per (V tile, head, sequence)) writes o [1, T_pad, HV, V] on the padded row. With the chunk
+table too (`table` int32 [T_pad / 64, 2], kda_chain.varlen's: per padded chunk j its first packed
+token and its nv valid rows; `T_raw` the packed row's tokens), the `packed_o` build writes o [1,
+T_raw, HV, V] straight onto the packed row: row r < nv of chunk j at table[j, 0] + r, no other row
+(pad rows never, nor a row of another sequence). A full chunk leaves by the same TMA store at the
+packed row offset (a domain offset of the store's coordinates; TMA takes any row); a partial one
+(a sequence's last) by predicated 16-byte stores of the warpgroup's threads from the same smem
+buffer after the same barrier (a 64-row box would overwrite the next sequence's first rows while
+another CTA writes them), then an empty bulk group so the parity wait still counts chunks
+(`_scan.store_packed`). The table row is read at the chunk's start, under its GEMMs. Without a
+table the kernel's parameters and PTX are the padded-row build's, byte for byte.
+
+Constraints: b1's (bf16 / fp16, K = 128, V % 64 == 0, HV % H == 0, contiguous, aligned; packed
+only through `chunks`, B = 1), plus qg [B, T, HV, 128] and Aqk [B, T, HV, 64] (chunk 64) in u's
+dtype; `table` needs `chunks` and an int T_raw in 1..T_pad (its contents are trusted).
 
 Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (no h0 / ht; each adds 0.034 GB):
 
@@ -80,6 +94,9 @@ class FwdConfig(P.ScanConfig):
     has_h0: bool
     store_ht: bool
     scale: float
+    # o straight onto the packed row through the o table (a build of its own: without it the
+    # kernel's parameters and PTX are those of the padded-row build)
+    packed_o: bool = False
 
 
 class _Fwd(P.Build):
@@ -105,8 +122,11 @@ def _fwd_kernel(cfg):
     from cutlass.cute.nvgpu import warpgroup
 
     class K:
-        def operands(self, qg, kg, w, u, gk, aqk, h0, o, ht, chunks):
-            # the kernel's arguments: its TMA operands (in its order), then the others
+        def operands(self, qg, kg, w, u, gk, aqk, h0, o, ht, *tables):
+            # the kernel's arguments: its TMA operands (in its order), then the others. `tables`:
+            # (chunks,), or with packed_o (the o table, chunks): chunks stays the last tensor, the
+            # one compile_fn sizes the grid by. packed_o adds o as a plain tensor (a partial
+            # chunk's row stores) and the o table as the kernel's last two arguments
             tmas = (
                 S.tma_load(S.row_view(w), cfg.l_w, (S.BT, S.KD)),
                 S.tma_load(S.row_view(qg), cfg.l_q, (S.BT, S.KD)),
@@ -116,10 +136,13 @@ def _fwd_kernel(cfg):
                 S.tma_load(S.col_view(gk), cfg.l_g, (S.KD, 1)),
                 S.tma_store(S.col_view(o), cfg.l_o, (S.BV, S.BT)),
             )
-            return tmas, (S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht), chunks)
+            rest = (S.col_view(gk), S.fp32_state_view(h0), S.fp32_state_view(ht), tables[-1])
+            return tmas, rest + ((S.col_view(o), tables[0]) if cfg.packed_o else ())
 
         @cute.kernel
-        def kda_cute_fwd(self, tmas, mGc, mH0, mHt, mChunks):
+        def kda_cute_fwd(self, tmas, mGc, mH0, mHt, mChunks, mO=None, mTab=None):
+            # mO, mTab: packed_o's (defaults, not passed without it: the padded-row build keeps
+            # its parameter list, symbol and PTX)
             w, q, kg, u, a, g, o = S.pairs(tmas)
             nst, nwg = cfg.stages, cfg.nwg
             cta = S.Cta(cfg, mGc, mChunks)
@@ -151,6 +174,8 @@ def _fwd_kernel(cfg):
             bar = 1 + wg
 
             for c in cutlass.range(NT, unroll=1):
+                if cutlass.const_expr(cfg.packed_o):  # read now: the load lands under the GEMMs
+                    row0, nv = mTab[c0 + c, 0], mTab[c0 + c, 1]
                 s, hb = S.begin_chunk(hs, c, full)
                 # P^T = bf16(h)^T w^T, O^T = bf16(h)^T qg^T: one group, A from registers
                 S.gemm(mma_p, accP, S.acc_as_a(hb), tBw, None, s, False)
@@ -179,7 +204,9 @@ def _fwd_kernel(cfg):
                 sOc = cute.make_tensor(sO.iterator + (c % 2) * (nwg * S.BV * S.BT), sO.layout)
                 S.frag_to_smem(accO, thr_p.partition_C(sOc), cfg.dtype)
                 S.sync_smem_for_async_wg(bar)
-                if wtid == 0:
+                if cutlass.const_expr(cfg.packed_o):  # full chunks by TMA, a partial one row by row
+                    S.store_packed(o, mO, sOc, cfg.l_o.inner, row0, nv, vt, hv, wtid)
+                elif wtid == 0:
                     S.store_chunk(st_o, c0 + c, S.tma_part(o[0], sOc, gOt)[0])
                 S.refill(full, empty, s, c, nst, NT, cfg.tx_bytes, loads, T, tid, c0)
 
@@ -191,18 +218,22 @@ def _fwd_kernel(cfg):
 
 # ------------------------------------------------------------------------------------ host side
 def is_supported(
-    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, chunks=None
+    q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, chunks=None, *,
+    table=None, T_raw=None,
 ) -> str | None:
-    r = device_reason(u) or static_reason(q, qg, kg, w, u, gk, Aqk, initial_state, chunks)
+    r = device_reason(u) or static_reason(q, qg, kg, w, u, gk, Aqk, initial_state, chunks, table=table,
+                                          T_raw=T_raw)
     if qg is None:  # say why the chain did not ask fwd_intra for it (u has v's shape and dtype)
         why = plan_reason(q, u, initial_state, chunks)
         return f"{r}: {why}" if why and why != r else r
     return r
 
 
-def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None, chunks=None) -> str | None:
+def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None, chunks=None, *, table=None,
+                  T_raw=None) -> str | None:
     """What the kernel cannot compute at all (shape / dtype / layout). q is not read by the
-    kernel (qg replaces it), so it is not checked; qg must be what fwd_intra(want_qg=True) gives."""
+    kernel (qg replaces it), so it is not checked; qg must be what fwd_intra(want_qg=True) gives.
+    `table`, `T_raw`: the packed o (`fwd_scan`), checked by P.packed_out_reason."""
     if qg is None:
         return "qg not computed by fwd_intra"
     r = P.operand_reason(kg, w, u, gk, initial_state, chunks)
@@ -218,7 +249,7 @@ def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None, chunks=None) -> 
     for name, t in (("qg", qg), ("Aqk", Aqk)):
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
-    return None
+    return P.packed_out_reason(table, T_raw, u, chunks)
 
 
 def plan_reason(q, v, initial_state=None, chunks=None) -> str | None:
@@ -249,7 +280,8 @@ def plan_reason(q, v, initial_state=None, chunks=None) -> str | None:
                                                         HV, K, V)
 
 
-def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks, stages, warpgroups):
+def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks, stages, warpgroups,
+          table=None, T_raw=None):
     B, T, HV, V = u.shape
     N = P.seqs(u, chunks)
     stages, nwg = P.pick_build(variant(N, HV, V), stages, warpgroups, V)
@@ -257,52 +289,61 @@ def _plan(qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunk
     if scale is None:
         scale = K**-0.5
     dev = u.device
-    o = alloc(u.shape, u.dtype, u)
+    packed = table is not None
+    # packed: only the valid rows are written, so o is never the padded row's (rows of it unwritten)
+    o = alloc((1, T_raw, HV, V) if packed else u.shape, u.dtype, u)
     ht = alloc((N, HV, K, V), torch.float32, u) if output_final_state else None
     dummy = P.dummy(dev)
     h0 = initial_state if initial_state is not None else dummy
-    table, table_dyn = P.chunk_args(chunks, dev)
-    args = (qg, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy, table)
-    dyn = ((0, 1),) * 6 + ((0,) if initial_state is not None else (), (0, 1), (0,) if ht is not None else (),
-                           table_dyn)
+    chunk_table, table_dyn = P.chunk_args(chunks, dev)
+    args = (qg, kg, w, u, gk, Aqk, h0, o, ht if ht is not None else dummy)
+    dyn = ((0, 1),) * 6 + ((0,) if initial_state is not None else (), (0, 1), (0,) if ht is not None else ())
+    if packed:  # the o table before chunks (the kernel's operands), its chunk count dynamic
+        args, dyn = args + (table,), dyn + ((0,),)
+    args, dyn = args + (chunk_table,), dyn + (table_dyn,)
     cfg = FwdConfig.of(u, kg, stages, nwg, chunks, has_h0=initial_state is not None,
-                       store_ht=bool(output_final_state), scale=float(scale))
+                       store_ht=bool(output_final_state), scale=float(scale), packed_o=packed)
     return (o, ht), args, dyn, cfg
 
 
 def compile_for(
     q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, chunks=None, *,
-    stages=None, warpgroups=None,
+    stages=None, warpgroups=None, table=None, T_raw=None,
 ):
     """Compile without launching (CPU tests); returns the compiled object. q is not read."""
     _, args, dyn, cfg = _plan(
-        qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks, stages, warpgroups
+        qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks, stages, warpgroups,
+        table, T_raw,
     )
     return S.compile_only(_Fwd, _fwd_kernel, cfg, args, dyn)
 
 
 def fwd_scan(
     q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, chunks=None, *,
-    stages=None, warpgroups=None,
+    stages=None, warpgroups=None, table=None, T_raw=None,
 ):
     """fwd_h + fwd_o fused -> (o, ht). qg = bf16(q * exp2(gk)) [B, T, HV, K] in u's dtype, as
     fla's fwd_intra stores it with disable_recompute (the chain's fwd_intra(want_qg=True)); q is
     not read (it stays in the contract for fla and the reference). `chunks`: packed sequences, as
-    in b1.fwd_h. `stages` / `warpgroups`: the compiled variant, by default `variant(B, HV, V)`.
-    Raises ValueError on a call the kernel cannot compute (shape, dtype, layout, device)."""
-    r = static_reason(q, qg, kg, w, u, gk, Aqk, initial_state, chunks) or device_reason(u)
+    in b1.fwd_h. `table` (with chunks), `T_raw`: o onto the packed row, [1, T_raw, HV, V], row r <
+    table[j, 1] of padded chunk j at packed row table[j, 0] + r, no other row written (the
+    module docstring). `stages` / `warpgroups`: the compiled variant, by default `variant(B, HV,
+    V)`. Raises ValueError on a call the kernel cannot compute (shape, dtype, layout, device)."""
+    r = static_reason(q, qg, kg, w, u, gk, Aqk, initial_state, chunks, table=table, T_raw=T_raw) \
+        or device_reason(u)
     if r is not None:
         raise ValueError(f"kda_cute.fwd.fwd_scan: unsupported call: {r}")
     return launch(q, qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks,
-                  stages=stages, warpgroups=warpgroups)
+                  stages=stages, warpgroups=warpgroups, table=table, T_raw=T_raw)
 
 
 def launch(q, qg, kg, w, u, gk, Aqk, initial_state=None, output_final_state=False, scale=None, chunks=None,
-           *, stages=None, warpgroups=None):
+           *, stages=None, warpgroups=None, table=None, T_raw=None):
     """`fwd_scan` without its checks: for a caller whose `is_supported` just said None (the
     chain's gate), so a host-bound step does not pay for them twice."""
     outs, args, dyn, cfg = _plan(
-        qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks, stages, warpgroups
+        qg, kg, w, u, gk, Aqk, initial_state, output_final_state, scale, chunks, stages, warpgroups,
+        table, T_raw,
     )
     S.run_cached(_cache, _Fwd, _fwd_kernel, cfg, args, dyn)
     return outs

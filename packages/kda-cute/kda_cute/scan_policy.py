@@ -197,3 +197,25 @@ def chunk_args(chunks, dev) -> tuple:
     if d is None:
         d = _dummies[(dev, "chunks")] = constant(torch.zeros(2, dtype=torch.int32, device=dev))
     return d, ()
+
+
+def packed_out_reason(table, T_raw, u, chunks) -> str | None:
+    """A scan's packed-output form (its outputs [1, T_raw, ...] written straight onto the packed
+    row through the chunk table, kda_chain.varlen's int32 [T_pad / 64, 2]: per chunk of the
+    padded row u [1, T_pad, ...] its first packed token and its valid rows), or why not. The
+    table's contents are trusted (reading them would sync): its builder checks them."""
+    if table is None:
+        return None if T_raw is None else "T_raw without a table"
+    if chunks is None:
+        return "a table needs chunks (the packed call's chunk offsets)"
+    if u.shape[0] != 1:
+        return f"a table needs the packed row [1, T, ...]; got B={u.shape[0]}"
+    from ._warp import table_reason
+
+    T_pad = u.shape[1]
+    r = table_reason(table, u.device, T_pad // BT)
+    if r:
+        return r
+    if not isinstance(T_raw, int) or isinstance(T_raw, bool) or not 1 <= T_raw <= T_pad:
+        return f"T_raw must be an int in 1..{T_pad} (the packed row's tokens); got {T_raw!r}"
+    return None

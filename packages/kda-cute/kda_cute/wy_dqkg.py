@@ -52,12 +52,14 @@ of its 17 KB). The fused class (`_Fused`) takes five more tensors (the gate's); 
 kernel's PTX is unchanged. varlen=True (`_Varlen`, a 24th tensor: the chunk table) stores the
 five outputs at the packed row's rows (kda_cute.bwd_chunk's docstring): every global store site
 of dq, dk, dv2, db, dg (the dv2 staging tile's in the V walk, the walk's column stores and db, the
-row passes') takes the table's base row and the predicate r < nv; the inputs and the row passes'
-reads (rstds, raw gate) stay on the padded row. qk_padded=True (with varlen, not with l2norm) keeps
-dq, dk on the padded row as without the table (the walk's column stores of them at padded row
-64c + r, all 64 rows, unpredicated: the intra walk's `qk_all`); dv2, db, dg still go through the
-table. With that kernel in the chain,
-kda_cute_wy_dqkg itself runs only in bwd_chunk's "split" fallback.
+row passes') takes the table's base row and the predicate r < nv; so does do's load in the V
+ring (do is the packed row's [1, T_raw, HV, V]: `_rows_async`, a pad row's pieces zeros in smem,
+never loaded); the other inputs and the row passes' reads (rstds, raw gate) stay on the padded
+row (ptxas 13.0: 128 registers, 16-80 bytes spilled across the builds). qk_padded=True (with
+varlen, not with l2norm) keeps dq, dk on the padded row as without the table (the walk's column
+stores of them at padded row 64c + r, all 64 rows, unpredicated: the intra walk's `qk_all`);
+dv2, db, dg still go through the table. With that kernel in the chain, kda_cute_wy_dqkg itself
+runs only in bwd_chunk's "split" fallback.
 
 Layouts: global as fla (q, k [B, T, H, K]; v-like [B, T, HV, V]; gk and the K outputs [B, T, HV,
 K]; Akk / dAkk / dAqk [B, T, HV, 64], row = token; h, dh [B, NT, HV, K, V], K-major rows of V).
@@ -317,6 +319,23 @@ def _build_kernel_class():
                 self._held_out(held, mO, b, hv, orow0, nv, wid * RW, lane)
 
         @cute.jit
+        def _rows_async(self, cp, tS, tD, cD, nv):
+            """varlen: do's 16-byte pieces (tS -> tD, cp's partition of a (64, 64) tile of the packed
+            row; cD the same partition of its identity) whose row is < nv by cp.async (kda_cute.prep's
+            `_rows_async`); a pad row's pieces are never loaded (their rows are the next sequence's,
+            or past the packed row's end: any value there, NaN / Inf among them, would reach the valid
+            rows' dk through dAqk) and get +0 in smem by a plain store instead, the padded build's
+            zero pad rows bit for bit. The store is ordered before any reader by the barrier after
+            the stage's cp.async wait, and after the stage's last reader by the one before the
+            load."""
+            for m in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+                for n in cutlass.range_constexpr(cute.size(tS, mode=[2])):
+                    if cD[0, m, n][0] < nv:
+                        cute.copy(cp, tS[None, m, n], tD[None, m, n])
+                    else:
+                        tD[None, m, n].fill(0.0)
+
+        @cute.jit
         def _held_out(self, held, mO, b, hv, orow0, nv, rw0, lane):
             """varlen: a row pass's outputs (`held`: this lane's 4 columns of rows rw0.., in registers)
             stored at the packed row's rows orow0 + rw0.., only those below nv. Stored after the
@@ -450,7 +469,11 @@ def _build_kernel_class():
             gA = cute.local_tile(mA[b, None, hv, None], (BT, BT), (t_idx, 0))
             gV = cute.local_tile(mV[b, None, hv, None], (BT, BV), (t_idx, None))
             gVn = cute.local_tile(mVn[b, None, hv, None], (BT, BV), (t_idx, None))
-            gDo = cute.local_tile(mDo[b, None, hv, None], (BT, BV), (t_idx, None))
+            if cutlass.const_expr(self.varlen):  # do on the packed row too: rows >= nv never loaded
+                gDo = cute.local_tile(cute.domain_offset((orow0, 0), mDo[b, None, hv, None]), (BT, BV),
+                                      (0, None))
+            else:
+                gDo = cute.local_tile(mDo[b, None, hv, None], (BT, BV), (t_idx, None))
             gDv = cute.local_tile(mDv[b, None, hv, None], (BT, BV), (t_idx, None))
             if cutlass.const_expr(self.varlen):
                 mDv2r = cute.domain_offset((orow0, 0), mDv2[b, None, hv, None])  # from the packed row's
@@ -544,8 +567,14 @@ def _build_kernel_class():
             tHg, tHs = tio.partition_S(gH), tio.partition_D(sH)
             tDhg, tDhs = tio.partition_S(gDh), tio.partition_D(sDh)
 
+            if cutlass.const_expr(self.varlen):
+                cDo = tio.partition_S(cute.make_identity_tensor((BT, BV)))  # do's pieces' (row, column)
+
             def load_tile(iv, st):
-                cute.copy(cp_io, tDog[None, None, None, iv], tDos[None, None, None, st])
+                if cutlass.const_expr(self.varlen):
+                    self._rows_async(cp_io, tDog[None, None, None, iv], tDos[None, None, None, st], cDo, nv)
+                else:
+                    cute.copy(cp_io, tDog[None, None, None, iv], tDos[None, None, None, st])
                 cute.copy(cp_io, tHg[None, None, None, iv], tHs[None, None, None, st])
                 cute.copy(cp_io, tVng[None, None, None, iv], tVns[None, None, None, st])
                 cute.copy(cp_io, tDhg[None, None, None, iv], tDhs[None, None, None, st])
@@ -978,10 +1007,10 @@ def _build_kernel_class():
 
     class _Varlen(_Fused):
         """fused=True, varlen=True (kda_cute_bwd_chunk on packed sequences): the fused kernel's 23
-        tensors and the chunk table mTab, int32 [NT, 2] (kda_cute.bwd_chunk's docstring); B == 1,
-        the grid the padded row's chunks. A kernel of its own, so the others' PTX is unchanged.
-        qk_padded (a field of the class, not a kernel of its own): dq, dk [1, T, HV, K] on the
-        padded row."""
+        tensors (do on the packed row) and the chunk table mTab, int32 [NT, 2] (kda_cute.bwd_chunk's
+        docstring); B == 1, the grid the padded row's chunks. A kernel of its own, so the others'
+        PTX is unchanged. qk_padded (a field of the class, not a kernel of its own): dq, dk
+        [1, T, HV, K] on the padded row."""
 
         @cute.jit
         def __call__(
@@ -994,7 +1023,7 @@ def _build_kernel_class():
             mBeta: cute.Tensor,
             mA: cute.Tensor,
             mH: cute.Tensor,
-            mDo: cute.Tensor,
+            mDo: cute.Tensor,  # on the packed row [1, T_raw, HV, V] (the other inputs: the padded row's)
             mDh: cute.Tensor,
             mDv: cute.Tensor,
             mDq: cute.Tensor,  # the five outputs on the packed row: [1, T_raw, ...] (qk_padded: dq, dk
@@ -1027,9 +1056,10 @@ def _build_kernel_class():
                                mDk: cute.Tensor, mDv2: cute.Tensor, mDb: cute.Tensor, mDg: cute.Tensor,
                                mQr: cute.Tensor, mKr: cute.Tensor, mGr: cute.Tensor, mAlog: cute.Tensor,
                                mBias: cute.Tensor, mDAp: cute.Tensor, mDbp: cute.Tensor, mTab: cute.Tensor):
-            """The fused kernel (its docstring above) reading its inputs on the padded row and
-            writing dq, dk, dv2, db, dg at the packed row's rows mTab[c, 0].., only the mTab[c, 1]
-            valid ones (the rstds and the raw gate are padded-row inputs; the partials per padded
+            """The fused kernel (its docstring above) reading do at the packed row's rows mTab[c, 0]..
+            (only the mTab[c, 1] valid ones: the pad rows are zeros in smem, `_rows_async`), its
+            other inputs on the padded row, and writing dq, dk, dv2, db, dg at the packed row's
+            valid rows (the rstds and the raw gate are padded-row inputs; the partials per padded
             chunk, as without it); qk_padded: dq, dk at the padded row's 64 rows, as without it."""
             self._body(mQ, mK, mV, mVn, mG, mBeta, mA, mH, mDo, mDh, mDv, mDq, mDk, mDv2, mDb, mDg, mQr, mKr,
                        mGr, mAlog, mBias, mDAp, mDbp, mTab)

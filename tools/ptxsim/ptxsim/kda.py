@@ -166,26 +166,36 @@ def emulate_b1(kg, w, u, gk, stages, nwg, mod=None, h0=None, chunks=None):
     return (*out, readback(gmem, ht, bt)) if state else out
 
 
-def emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None, h0=None, chunks=None):
+def emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None, h0=None, chunks=None, table=None,
+                T_raw=None, guard=0):
     """Compile fwd, run its PTX on every CTA, return o, and ht when `h0` is given ([rows, HV, K,
     V]; `chunks`: packed, as emulate_b1's). Either form: the smem-operand kernel (tensor maps w,
     qg, kg, u, Aqk, then the o store) or the register-A one (gk's last row by TMA too, before
-    the o store)."""
+    the o store). `table`, `T_raw` (with chunks): the packed-o build, o [1, T_raw, HV, V] written
+    through the chunk table (its pointer and [1, T_raw] shape again after the chunk table, then the
+    table's); `guard` NaN rows laid out before and after o and returned with it (o [1, guard +
+    T_raw + guard, HV, V]), so a store outside o's rows shows."""
     if mod is None:
         from kda_cute import fwd as mod
     B, T, HV, V, _, Z = _layout(u, chunks)
     K = kg.shape[3]
     state = h0 is not None
-    kw, table = _table(chunks)
+    kw, ctab = _table(chunks)
+    if table is not None:
+        kw.update(table=table, T_raw=T_raw)
     text = ptx_text(mod.compile_for(None, qg, kg, w, u, gk, Aqk, h0, state, scale, **kw, stages=stages,
                                     warpgroups=nwg))
     assert text, "no PTX on the compiled object"
     prog = named_barriers(InlineAsmProgram(text))
-    o = torch.full_like(u, float("nan"))
+    rows = T if table is None else T_raw
+    o_buf = torch.full((B, guard + rows + guard, HV, V), float("nan"), dtype=u.dtype)
+    o = o_buf[:, guard:guard + rows]
     ht = torch.full((Z, HV, K, V), float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
-    gmem, (bq, bkg, bw, bu, bg, ba, bd, bo, b0, bt, bc) = global_memory(
-        [qg, kg, w, u, gk, Aqk, dummy, o, h0 if state else dummy, ht, table])
+    otab = table if table is not None else torch.zeros(2, dtype=torch.int32)
+    gmem, (bq, bkg, bw, bu, bg, ba, bd, bob, b0, bt, bc, bot) = global_memory(
+        [qg, kg, w, u, gk, Aqk, dummy, o_buf, h0 if state else dummy, ht, ctab, otab])
+    bo = bob + guard * HV * V * u.element_size()
     tmas = {
         param_address(0): token_map(bw, w, 64),
         param_address(2): token_map(bq, qg, 64),
@@ -200,32 +210,45 @@ def emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None, h0=None, ch
     states = ((b0, Z), (bt, Z)) if state else None
     params = state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd, states,
                           None if chunks is None else (bc, Z + 1))
+    if table is not None:  # o as a plain tensor (pointer, T_raw and B as int32, B's stride), the table
+        names = [n for n, _ in prog.params]
+        po, pt = names[2 * n_maps + 4], names[2 * n_maps + 5]
+        params.update({(po, 0): bo, (po, 8): T_raw | (1 << 32), (po, 16): T_raw * HV * V,
+                       (pt, 0): bot, (pt, 8): table.shape[0]})
     run_grid(prog, gmem, params, tmas, (V // (64 * nwg), HV, Z), 128 * nwg)
-    o = readback(gmem, o, bo)
+    o = readback(gmem, o_buf, bob) if guard else readback(gmem, o, bo)
     return (o, readback(gmem, ht, bt)) if state else o
 
 
-def emulate_dhu(qg, kg, w, gk, do, Aqk, scale, stages, nwg, mod=None, dht=None, chunks=None):
+def emulate_dhu(qg, kg, w, gk, do, Aqk, scale, stages, nwg, mod=None, dht=None, chunks=None, table=None):
     """dhu (the fused form: dv = tril(Aqk)^T do inside): tensor maps kg, qg, w, Aqk, do, then the
     dh and dv2 stores. Returns (dh, dv2), and dh0 when `dht` is given (then an h0 is passed too, so
-    dh0 is written; both [rows, HV, K, V]). `chunks`: packed, as emulate_b1's (dht / dh0 [N, ...])."""
+    dh0 is written; both [rows, HV, K, V]). `chunks`: packed, as emulate_b1's (dht / dh0 [N, ...]).
+    `table` (with chunks): the padded row's chunk table (int32 [T_pad / 64, 2]); do is then the
+    packed row [1, T_raw, HV, V] (its tensor map of T_raw rows: TMA zero-fills past them), every
+    other operand and dh, dv2 on the padded row of qg's T_pad; the table is the kernel's parameter
+    after the chunks'."""
     if mod is None:
         from kda_cute import dhu as mod
-    B, T, HV, V, NT, Z = _layout(do, chunks)
+    rows = do if table is None else torch.empty((1, qg.shape[1], *do.shape[2:]), device="meta")
+    B, T, HV, V, NT, Z = _layout(rows, chunks)
     K = qg.shape[3]
     state = dht is not None
     h0 = torch.zeros(Z, HV, K, V) if state else None
-    kw, table = _table(chunks)
+    kw, ctab = _table(chunks)
+    if table is not None:
+        kw["table"] = table
     text = ptx_text(mod.compile_for(qg, kg, w, gk, h0, dht, do, None, scale, Aqk, **kw, stages=stages,
                                     warpgroups=nwg))
     assert text, "no PTX on the compiled object"
     prog = named_barriers(InlineAsmProgram(text))
     dh = torch.full((B, NT, HV, K, V), float("nan"), dtype=do.dtype)
-    dv2 = torch.full_like(do, float("nan"))
+    dv2 = torch.full((B, T, HV, V), float("nan"), dtype=do.dtype)
     dh0 = torch.full((Z, HV, K, V), float("nan"))
     dummy = torch.zeros(1, 1, 128, 64)
-    gmem, (bq, bkg, bw, bg, bdo, ba, bd, bh, bv, bt, b0, bc) = global_memory(
-        [qg, kg, w, gk, do, Aqk, dummy, dh, dv2, dht if state else dummy, dh0, table])
+    gmem, (bq, bkg, bw, bg, bdo, ba, bd, bh, bv, bt, b0, bc, btab) = global_memory(
+        [qg, kg, w, gk, do, Aqk, dummy, dh, dv2, dht if state else dummy, dh0, ctab,
+         table if table is not None else torch.zeros(2, dtype=torch.int32)])
     tmas = {
         param_address(0): token_map(bkg, kg, 64),
         param_address(2): token_map(bq, qg, 64),
@@ -239,6 +262,9 @@ def emulate_dhu(qg, kg, w, gk, do, Aqk, scale, stages, nwg, mod=None, dht=None, 
     states = ((bt, Z), (b0, Z)) if state else None  # dht, dh0
     params = state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd, states,
                           None if chunks is None else (bc, Z + 1))
+    if table is not None:  # (pointer, the dynamic NT)
+        name = prog.params[2 * n_maps + 4][0]
+        params[(name, 0)], params[(name, 8)] = btab, table.shape[0]
     run_grid(prog, gmem, params, tmas, (V // (64 * nwg), HV, Z), 128 * nwg)
     out = (readback(gmem, dh, bh), readback(gmem, dv2, bv))
     return (*out, readback(gmem, dh0, b0)) if state else out

@@ -11,7 +11,7 @@ dh) as two int32, the batch stride.
 chunk-local log2 cumsum of negative steps, Akk unit lower triangular plus noise as the WY
 inverse is, beta in (0, 1)). kda_cute is imported inside the functions only.
 `emulate_bwd_chunk` runs kda_cute_bwd_chunk the same way, its varlen build (a chunk table) with
-each packed-row output between poisoned guard rows (`_run_guarded`).
+each packed-row output and the packed-row do between poisoned guard rows (`_run_guarded`).
 """
 
 import torch
@@ -76,14 +76,23 @@ def wy_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtyp
     return [q, k, v, v_new, gk.contiguous(), beta, Akk, h, do, dh, dv]
 
 
+def _poison(t, rows):
+    """[1, rows, ...] of t's dtype: NaN, +Inf, -Inf in turn along the elements (any of them read
+    into the arithmetic shows in every result it reaches)."""
+    n = rows * t[0, 0].numel()
+    vals = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=t.dtype)
+    return vals.repeat((n + 2) // 3)[:n].view(1, rows, *t.shape[2:])
+
+
 def _run_guarded(prog, tensors, guarded, ctas, prefetch_ok):
-    """run_grid, but each tensor at an index of `guarded` ([1, R, ...], poisoned) lies in memory
-    between GUARD poisoned rows on either side (the kernel gets the pointer to its row 0 and its
-    own extents); asserts every guard row's bytes came back unchanged (nothing written outside)."""
+    """run_grid, but each tensor at an index of `guarded` ([1, R, ...]: a poisoned output, or the
+    packed-row do) lies in memory between GUARD poisoned rows on either side (`_poison`; the kernel
+    gets the pointer to its row 0 and its own extents); asserts every guard row's bytes came back
+    unchanged (nothing written outside). A load from a guard row shows in the results it reaches."""
     laid = list(tensors)
     for i in guarded:
         t = tensors[i]
-        pad = t[:, :1].expand(1, GUARD, *t.shape[2:])
+        pad = _poison(t, GUARD)
         laid[i] = torch.cat([pad, t, pad], 1)
     gmem, bases = global_memory(laid)
     params = {}
@@ -114,7 +123,9 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
     With a chunk `table` (and T_raw: the varlen build, its PTX compiled with them) the five
     outputs are the packed row's [1, T_raw, ...], each laid between poisoned guard rows that must
     come back unchanged; its CTAs run by default in descending chunk order, so that a store past a
-    chunk's valid rows (into the next sequence's) would land after that chunk's own and show.
+    chunk's valid rows (into the next sequence's) would land after that chunk's own and show. Its
+    do (args[8]) is the packed row's [1, T_raw, HV, V] too, laid between poisoned guard rows
+    (NaN / Inf: a load past the packed row's ends would show in the gradients).
     qk_padded (its PTX compiled with it too): dq, dk the padded row's [1, T, HV, K], between
     guard rows as well."""
     from kda_cute import bwd_chunk
@@ -156,7 +167,7 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
     if table is None:
         got = run_grid(prog, list(tensors), ctas, WyCTA, THREADS, prefetch_ok=ok)
     else:
-        got = _run_guarded(prog, tensors, range(n, n + 5), ctas, ok)
+        got = _run_guarded(prog, tensors, (8, *range(n, n + 5)), ctas, ok)
     if parts is None:
         return got[n:n + 5]
     dbias = got[n + 11] if gate.get("dt_bias") is not None else None
