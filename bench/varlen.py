@@ -12,7 +12,7 @@ to fit), so most sequences end in a partial chunk. Two setups, each timed with C
 
 and the peak memory of one packed fwd+bwd (ours, fla). Prints a table, writes --json.
 
-    python bench/varlen.py [--total 131072] [--reps 10] [--json $OUT/varlen.json] [--profile]
+    python bench/varlen.py [--total 131072] [--reps 10] [--json $OUT/varlen.json] [--profile] [--diagnose]
 """
 
 from __future__ import annotations
@@ -80,12 +80,48 @@ def top_kernels(fn, n: int = 25) -> None:
         print(f"    {ms:8.3f} ms {count:3d}x  {key[:90]}")
 
 
+def diagnose(name: str, fn) -> None:
+    """Where a step's time goes beyond its kernels: the median from an idle GPU (host work before
+    the first launch counted) against primed (device time only), the host time of one call (until
+    its last launch returns), the synchronizing calls (torch's sync debug mode), and the CUDA
+    runtime calls that can stall the stream (allocations, frees, syncs, copies) in one call."""
+    import time
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    idle, primed = median_ms(fn, warmup=2, reps=8), median_ms(fn, warmup=1, reps=8, primed=True)
+    host = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message).splitlines()[0][:80] for w in caught if "synchroniz" in str(w.message)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    stalls = ("Malloc", "Free", "ynchronize", "Memcpy")
+    api = {e.key: e.count for e in prof.key_averages()
+           if e.key.startswith("cuda") and any(w in e.key for w in stalls)}
+    print(f"  {name}: idle {idle:.3f} ms, primed {primed:.3f}, host {sorted(host)[2]:.3f}; "
+          f"{len(syncs)} syncs {syncs[:3]}; runtime {api}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true", help="also print ours' top kernels, dense and packed")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="only ours, dense and packed: idle vs primed, host time, syncs, runtime calls")
     a = ap.parse_args()
     from fla.ops.kda import chunk_kda as fla_kda
     from kda_chain import chunk_kda as ours_kda
@@ -122,6 +158,10 @@ def main() -> None:
             ("ref ours packed", _step(ours_kda, xp, dop, **pk)),
             ("peer ours dense B16", _step(ours_kda, dense, ydo)),
             ("peer ours packed", _step(ours_kda, yp, ydop, **ppk))]
+    if a.diagnose:
+        for name, fn in runs:
+            diagnose(name, fn)
+        return
     kda = peers.cudnn_kda()
     if kda is not None:
         flat = [yp[n].detach().reshape(a.total, 16, -1).requires_grad_(True) for n in ("q", "k", "v", "g")]
