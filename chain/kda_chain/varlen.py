@@ -24,35 +24,49 @@ else one `cu_seqlens.tolist()` (a host sync, as fla's own varlen path without cu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 BT = 64
 GATE_PAD = -1e30  # a raw gate whose step gate is exactly 0 in both of fla's forms (see module doc)
 
 
-@dataclass(frozen=True)
 class Packing:
-    """Where each token goes: `index` (int64 [total_T], its row in the padded layout), `source`
-    (int64 [T_pad], each padded row's token, 0 for a pad row), `pad` (int64, the pad rows),
-    `chunks` (int32 [N + 1] chunk offsets), all on the device; `T_pad`, the padded length."""
+    """A packed call's layouts. Built at once (what the kernels read): `chunks` (int32 [N + 1] chunk
+    offsets on the padded row: the scans' walk) and `table` (int32 [T_pad / 64, 2], per chunk of
+    the padded row its first packed token and its valid rows 1..64, the pad rows after them:
+    kda_cute_prep / fwd / dhu / bwd_chunk read and write the packed row through it), on the
+    device; `T` (total_T) and `T_pad`, the padded length. Built on first use (only where a row is
+    gathered: a stage that does not take the packed row, a traced call): `index` (int64 [total_T],
+    each token's row in the padded layout), `source` (int64 [T_pad], each padded row's token, 0 for
+    a pad row), `pad` (int64, the pad rows)."""
 
-    index: torch.Tensor
-    source: torch.Tensor
-    pad: torch.Tensor
-    chunks: torch.Tensor
-    T_pad: int
-    table: torch.Tensor  # int32 [T_pad / 64, 2]: each chunk's first token, its valid rows (`_table`)
+    __slots__ = ("cu_seqlens", "T", "T_pad", "chunks", "table", "_rows")
+
+    def __init__(self, cu_seqlens: torch.Tensor, T: int, T_pad: int, chunks: torch.Tensor,
+                 table: torch.Tensor):
+        self.cu_seqlens, self.T, self.T_pad, self.chunks, self.table = cu_seqlens, T, T_pad, chunks, table
+        self._rows = None
 
     @property
     def N(self) -> int:
         return self.chunks.numel() - 1
 
+    def _gathers(self) -> tuple:
+        if self._rows is None:
+            self._rows = _rows(self.cu_seqlens, self.chunks, self.T, self.T_pad)
+        return self._rows
+
     @property
-    def T(self) -> int:
-        """The packed row's length (total_T)."""
-        return self.index.numel()
+    def index(self) -> torch.Tensor:
+        return self._gathers()[0]
+
+    @property
+    def source(self) -> torch.Tensor:
+        return self._gathers()[1]
+
+    @property
+    def pad(self) -> torch.Tensor:
+        return self._gathers()[2]
 
 
 def _runs(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
@@ -63,32 +77,63 @@ def _runs(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=lens.device) - first[n] + starts[n]
 
 
-def packing(cu_seqlens: torch.Tensor, offsets: list[int]) -> Packing:
-    """The padded layout of sequences with token offsets `cu_seqlens` (N + 1, on the device) whose
-    host copy is `offsets` (only its per-sequence chunk counts are used on the host)."""
+def _rows(cu_seqlens: torch.Tensor, chunks: torch.Tensor, T: int, T_pad: int) -> tuple:
+    """(index, source, pad) of `Packing`, on cu_seqlens' device."""
     dev = cu_seqlens.device
-    counts = [-(-(b - a) // BT) for a, b in zip(offsets, offsets[1:], strict=False)]
-    T, N, T_pad = offsets[-1], len(counts), BT * sum(counts)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    chunks = torch.zeros(N + 1, dtype=torch.int32, device=dev)
-    torch.cumsum((lens + BT - 1) // BT, 0, out=chunks[1:])
     starts = chunks[:-1].to(torch.int64) * BT
     index = _runs(starts, lens, T)
     source = torch.zeros(T_pad, dtype=torch.int64, device=dev)
     source[index] = torch.arange(T, device=dev)
-    pad = _runs(starts + lens, chunks[1:] * BT - starts - lens, T_pad - T)
-    return Packing(index, source, pad, chunks, T_pad, _table(source, pad, T_pad))
+    pad = _runs(starts + lens, chunks[1:].to(torch.int64) * BT - starts - lens, T_pad - T)
+    return index, source, pad
 
 
-def _table(source: torch.Tensor, pad: torch.Tensor, T_pad: int) -> torch.Tensor:
-    """The kernels' chunk table: int32 [T_pad / 64, 2], per chunk of the padded row the packed
-    row's token of its first row (every chunk starts with a valid one) and its number of valid rows
-    (1..64; the pad rows follow them). kda_cute_prep reads the packed inputs through it,
-    kda_cute_bwd_chunk writes the packed gradients through it."""
-    valid = torch.ones(T_pad, dtype=torch.int32, device=source.device)
-    valid.index_fill_(0, pad, 0)
-    first = source.view(-1, BT)[:, 0].to(torch.int32)
-    return torch.stack([first, valid.view(-1, BT).sum(1, dtype=torch.int32)], 1).contiguous()
+def _tables(cu: torch.Tensor, NT: int) -> torch.Tensor:
+    """The kernels' two tables in one int32 buffer on cu's device: the chunk table [NT, 2] (each
+    chunk's first packed token and valid rows) at 0, then the chunk offsets [N + 1] from a 16-byte
+    boundary (`_split`). cu: int64 token offsets [N + 1]; NT: the chunk count (from the host)."""
+    N = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]
+    at = -(-2 * NT // 4) * 4  # the offsets' start, in int32 elements
+    buf = torch.zeros(at + N + 1, dtype=torch.int32, device=cu.device)
+    chunks = buf[at:]
+    torch.cumsum((lens + BT - 1) // BT, 0, out=chunks[1:])
+    seq = torch.repeat_interleave(torch.arange(N, device=cu.device), (lens + BT - 1) // BT, output_size=NT)
+    row = (torch.arange(NT, device=cu.device) - chunks[:-1][seq]) * BT  # its first row in its sequence
+    table = buf[:2 * NT].view(NT, 2)
+    table[:, 0] = cu[seq] + row
+    table[:, 1] = torch.clamp(lens[seq] - row, max=BT)
+    return buf
+
+
+def _split(buf: torch.Tensor, NT: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_tables`' buffer -> (chunks, table), views of it."""
+    at = -(-2 * NT // 4) * 4
+    return buf[at:], buf[:2 * NT].view(NT, 2)
+
+
+def packing(cu_seqlens: torch.Tensor, offsets: list[int], host: bool = True) -> Packing:
+    """The padded layout of sequences with token offsets `cu_seqlens` (N + 1, on the device) whose
+    host copy is `offsets`. host (an eager call): the tables are computed on the CPU from the
+    offsets and copied over once from pinned memory without waiting (a dozen tiny device kernels
+    and their launches were ~40% of a packed step's host time, all of it before the first kernel of
+    substance); under CUDA-graph capture, or host=False (a traced call), they are computed on the
+    device from cu_seqlens (a captured copy would re-read a host buffer freed after capture)."""
+    dev = cu_seqlens.device
+    counts = [-(-(b - a) // BT) for a, b in zip(offsets, offsets[1:], strict=False)]
+    T, NT = offsets[-1], sum(counts)
+    if NT == 0:  # every sequence empty: no chunk
+        chunks = torch.zeros(len(counts) + 1, dtype=torch.int32, device=dev)
+        return Packing(cu_seqlens, T, 0, chunks, torch.zeros(0, 2, dtype=torch.int32, device=dev))
+    on_host = host and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    if on_host:
+        buf = _tables(torch.tensor(offsets, dtype=torch.int64), NT)
+        if dev.type == "cuda":
+            buf = buf.pin_memory().to(dev, non_blocking=True)
+    else:
+        buf = _tables(cu_seqlens.to(torch.int64), NT)
+    return Packing(cu_seqlens, T, BT * NT, *_split(buf, NT))
 
 
 def _gather(x: torch.Tensor, rows: torch.Tensor, pad=None, fill: float = 0.0) -> torch.Tensor:

@@ -201,6 +201,28 @@ def test_the_chunk_table_maps_each_chunk_to_its_first_token_and_valid_rows():
     assert p.T == sum(lens) and p.T_pad == 64 * len(want)
 
 
+@pytest.mark.parametrize("lens", [[1, 63, 64, 65, 0, 130, 7], [0, 0, 5], [128, 64], [0]])
+def test_the_host_and_device_builds_of_the_tables_agree(lens):
+    """The tables an eager call builds on the host (copied over once) are the ones a traced or
+    captured call builds on the device from cu_seqlens (`host=False`), and both agree with the
+    gather rows: chunk j's first token is the token of padded row 64 j, its valid rows are the
+    non-pad rows of that chunk."""
+    from kda_chain import varlen
+
+    offs = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    cu = torch.tensor(offs, dtype=torch.int32)
+    a, b = varlen.packing(cu, offs), varlen.packing(cu, offs, host=False)
+    assert a.T == b.T == sum(lens) and a.T_pad == b.T_pad and a.N == len(lens)
+    for t in (a.chunks, a.table, b.chunks, b.table):
+        assert t.dtype == torch.int32 and t.is_contiguous() and t.data_ptr() % 16 == 0
+    assert torch.equal(a.chunks, b.chunks) and torch.equal(a.table, b.table)
+    if a.T_pad:
+        valid = torch.ones(a.T_pad, dtype=torch.int32)
+        valid[a.pad] = 0
+        assert torch.equal(a.table[:, 0], a.source.view(-1, 64)[:, 0].int())
+        assert torch.equal(a.table[:, 1], valid.view(-1, 64).sum(1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("gva, gate", [(False, True), (True, True), (False, False)])
 def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva, gate):
     """On the chain's CuTe path (kernels stubbed: kda_chain.testing.stub_device), an eager packed
