@@ -9,6 +9,8 @@ The device functions import the DSL: call them only while a kernel is being buil
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._common.cache import cute_view
@@ -210,3 +212,31 @@ def ldmatrix_atoms(io):
     ld_n = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), io)
     ld_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), io)
     return ld_n, ld_t
+
+
+def rows_async(cp, tS, tD, cD, nv):
+    """A packed row's tile by cp.async, its pad rows never loaded (varlen builds): the thread's
+    16-byte pieces (tS -> tD, cp's partition of a (64, n) tile; cD the same partition of its
+    identity) whose row is < nv go by cp.async; a pad row's pieces (their addresses lie in the next
+    sequence or past the packed row's end, any value there, NaN / Inf among them, would reach the
+    valid rows) get +0 in smem by a plain store instead: the padded build's zero pad rows bit for
+    bit. The caller orders that store before any reader (the barrier that ends the copy's wait) and
+    after the tile's last reader."""
+    return _rows_async()(cp, tS, tD, cD, nv)
+
+
+@functools.cache
+def _rows_async():
+    import cutlass
+    import cutlass.cute as cute
+
+    @cute.jit
+    def rows_async(cp, tS, tD, cD, nv):
+        for m in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+            for n in cutlass.range_constexpr(cute.size(tS, mode=[2])):
+                if cD[0, m, n][0] < nv:
+                    cute.copy(cp, tS[None, m, n], tD[None, m, n])
+                else:
+                    tD[None, m, n].fill(0.0)
+
+    return rows_async

@@ -477,20 +477,6 @@ def _build_kernel_class():
                 cute.make_tensor(mGk[b, row0 + r, hv, None].iterator, rowv)[cg, None].store(vec)
 
         @cute.jit
-        def _rows_async(self, cp, tS, tD, cD, nv):
-            """varlen: the thread's 16-byte pieces (tS -> tD, cp's partition of a (64, n) tile; cD the
-            same partition of its identity) whose row is < nv by cp.async; a pad row's pieces are
-            never loaded (its address may lie past the raw row, or in the next sequence) and get
-            zeros in smem by a plain store instead (ordered before any reader by the barrier that
-            ends the copy's wait)."""
-            for m in cutlass.range_constexpr(cute.size(tS, mode=[1])):
-                for n in cutlass.range_constexpr(cute.size(tS, mode=[2])):
-                    if cD[0, m, n][0] < nv:
-                        cute.copy(cp, tS[None, m, n], tD[None, m, n])
-                    else:
-                        tD[None, m, n].fill(0.0)
-
-        @cute.jit
         def _l2norm_rows(self, sX, mY, mR, b, h, row0, wid, lane, writer):
             """Rows wid, wid + 8, .. of the chunk's q (or k) tile in smem L2-normalized in place, with
             kda_cute_l2norm_fwd's arithmetic in its order (bitwise its output): a lane per K / 32
@@ -684,8 +670,8 @@ def _build_kernel_class():
             if cutlass.const_expr(self.varlen):
                 cQK = tio.partition_S(cute.make_identity_tensor((BT, K)))
                 cVio = tio.partition_S(cute.make_identity_tensor((BT, BV)))
-                self._rows_async(cp_io, tio.partition_S(gQ), tio.partition_D(sQ), cQK, nv)
-                self._rows_async(cp_io, tio.partition_S(gK), tio.partition_D(sK), cQK, nv)
+                _warp.rows_async(cp_io, tio.partition_S(gQ), tio.partition_D(sQ), cQK, nv)
+                _warp.rows_async(cp_io, tio.partition_S(gK), tio.partition_D(sK), cQK, nv)
             else:
                 cute.copy(cp_io, tio.partition_S(gQ), tio.partition_D(sQ))
                 cute.copy(cp_io, tio.partition_S(gK), tio.partition_D(sK))
@@ -843,7 +829,7 @@ def _build_kernel_class():
             if cutlass.const_expr(not self.recompute):
                 for iv in cutlass.range_constexpr(min(STAGES, NV)):
                     if cutlass.const_expr(self.varlen):
-                        self._rows_async(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv], cVio,
+                        _warp.rows_async(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv], cVio,
                                          nv)
                     else:
                         cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
@@ -896,7 +882,7 @@ def _build_kernel_class():
                 if cutlass.const_expr(iv + STAGES < NV):
                     cute.arch.sync_threads()  # every warp is done reading stage st
                     if cutlass.const_expr(self.varlen):
-                        self._rows_async(cp_io, tVg[None, None, None, iv + STAGES], tVs[None, None, None, st],
+                        _warp.rows_async(cp_io, tVg[None, None, None, iv + STAGES], tVs[None, None, None, st],
                                          cVio, nv)
                     else:
                         cute.copy(cp_io, tVg[None, None, None, iv + STAGES], tVs[None, None, None, st])

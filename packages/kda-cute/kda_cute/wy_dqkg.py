@@ -53,7 +53,7 @@ kernel's PTX is unchanged. varlen=True (`_Varlen`, a 24th tensor: the chunk tabl
 five outputs at the packed row's rows (kda_cute.bwd_chunk's docstring): every global store site
 of dq, dk, dv2, db, dg (the dv2 staging tile's in the V walk, the walk's column stores and db, the
 row passes') takes the table's base row and the predicate r < nv; so does do's load in the V
-ring (do is the packed row's [1, T_raw, HV, V]: `_rows_async`, a pad row's pieces zeros in smem,
+ring (do is the packed row's [1, T_raw, HV, V]: `_warp.rows_async`, a pad row's pieces zeros in smem,
 never loaded); the other inputs and the row passes' reads (rstds, raw gate) stay on the padded
 row (ptxas 13.0: 128 registers, 16-80 bytes spilled across the builds). qk_padded=True (with
 varlen, not with l2norm) keeps dq, dk on the padded row as without the table (the walk's column
@@ -319,23 +319,6 @@ def _build_kernel_class():
                 self._held_out(held, mO, b, hv, orow0, nv, wid * RW, lane)
 
         @cute.jit
-        def _rows_async(self, cp, tS, tD, cD, nv):
-            """varlen: do's 16-byte pieces (tS -> tD, cp's partition of a (64, 64) tile of the packed
-            row; cD the same partition of its identity) whose row is < nv by cp.async (kda_cute.prep's
-            `_rows_async`); a pad row's pieces are never loaded (their rows are the next sequence's,
-            or past the packed row's end: any value there, NaN / Inf among them, would reach the valid
-            rows' dk through dAqk) and get +0 in smem by a plain store instead, the padded build's
-            zero pad rows bit for bit. The store is ordered before any reader by the barrier after
-            the stage's cp.async wait, and after the stage's last reader by the one before the
-            load."""
-            for m in cutlass.range_constexpr(cute.size(tS, mode=[1])):
-                for n in cutlass.range_constexpr(cute.size(tS, mode=[2])):
-                    if cD[0, m, n][0] < nv:
-                        cute.copy(cp, tS[None, m, n], tD[None, m, n])
-                    else:
-                        tD[None, m, n].fill(0.0)
-
-        @cute.jit
         def _held_out(self, held, mO, b, hv, orow0, nv, rw0, lane):
             """varlen: a row pass's outputs (`held`: this lane's 4 columns of rows rw0.., in registers)
             stored at the packed row's rows orow0 + rw0.., only those below nv. Stored after the
@@ -572,7 +555,7 @@ def _build_kernel_class():
 
             def load_tile(iv, st):
                 if cutlass.const_expr(self.varlen):
-                    self._rows_async(cp_io, tDog[None, None, None, iv], tDos[None, None, None, st], cDo, nv)
+                    _warp.rows_async(cp_io, tDog[None, None, None, iv], tDos[None, None, None, st], cDo, nv)
                 else:
                     cute.copy(cp_io, tDog[None, None, None, iv], tDos[None, None, None, st])
                 cute.copy(cp_io, tHg[None, None, None, iv], tHs[None, None, None, st])
@@ -1057,7 +1040,7 @@ def _build_kernel_class():
                                mQr: cute.Tensor, mKr: cute.Tensor, mGr: cute.Tensor, mAlog: cute.Tensor,
                                mBias: cute.Tensor, mDAp: cute.Tensor, mDbp: cute.Tensor, mTab: cute.Tensor):
             """The fused kernel (its docstring above) reading do at the packed row's rows mTab[c, 0]..
-            (only the mTab[c, 1] valid ones: the pad rows are zeros in smem, `_rows_async`), its
+            (only the mTab[c, 1] valid ones: the pad rows are zeros in smem, `_warp.rows_async`), its
             other inputs on the padded row, and writing dq, dk, dv2, db, dg at the packed row's
             valid rows (the rstds and the raw gate are padded-row inputs; the partials per padded
             chunk, as without it); qk_padded: dq, dk at the padded row's 64 rows, as without it."""
