@@ -156,7 +156,9 @@ def packing(cu_seqlens: torch.Tensor, offsets: list[int], host: bool = True) -> 
             buf = buf.pin_memory().to(dev, non_blocking=True)
     else:
         buf = _tables(cu_seqlens.to(torch.int64), NT)
-    return Packing(cu_seqlens, T, BT * NT, *_split(buf, NT))
+    # (a copy: the gather rows are built on first use, maybe in the backward, and a caller may
+    # refill its cu_seqlens buffer before then)
+    return Packing(cu_seqlens.clone(), T, BT * NT, *_split(buf, NT))
 
 
 def _gather(x: torch.Tensor, rows: torch.Tensor, pad=None, fill: float = 0.0) -> torch.Tensor:
