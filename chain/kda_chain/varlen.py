@@ -17,9 +17,9 @@ chunks also restart at every sequence start.
 Cost: the copies in and out (inputs, o, and in the backward do and the gradients), about 10% of a
 step at the reference shape, where a call goes through the custom ops (traced); an eager call
 copies none of them (`Native`: the kernels read and write the packed row through the chunk
-table). The pad rows (< 64 per sequence) cost either way. The row is built on the device
-from `cu_seqlens`; only its length needs the offsets on the host: `cu_seqlens_cpu` when given,
-else one `cu_seqlens.tolist()` (a host sync, as fla's own varlen path without cu_seqlens_cpu).
+table). The pad rows (< 64 per sequence) cost either way. The layout needs the offsets on the
+host (`cu_seqlens_cpu` when given, else one `cu_seqlens.tolist()`: a host sync, as fla's own
+varlen path without cu_seqlens_cpu); its tables are built there and copied over once (`packing`).
 """
 
 from __future__ import annotations
@@ -92,13 +92,19 @@ def _rows(cu_seqlens: torch.Tensor, chunks: torch.Tensor, T: int, T_pad: int) ->
     return index, source, pad
 
 
+def _offsets_at(NT: int) -> int:
+    """Where the chunk offsets start in the tables' buffer (int32 elements): after the [NT, 2]
+    chunk table, on a 16-byte boundary."""
+    return -(-2 * NT // 4) * 4
+
+
 def _tables(cu: torch.Tensor, NT: int) -> torch.Tensor:
     """The kernels' two tables in one int32 buffer on cu's device: the chunk table [NT, 2] (each
     chunk's first packed token and valid rows) at 0, then the chunk offsets [N + 1] from a 16-byte
     boundary (`_split`). cu: int64 token offsets [N + 1]; NT: the chunk count (from the host)."""
     N = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
-    at = -(-2 * NT // 4) * 4  # the offsets' start, in int32 elements
+    at = _offsets_at(NT)
     buf = torch.zeros(at + N + 1, dtype=torch.int32, device=cu.device)
     chunks = buf[at:]
     torch.cumsum((lens + BT - 1) // BT, 0, out=chunks[1:])
@@ -121,7 +127,7 @@ def _host_tables(offsets: list[int], counts: list[int], NT: int) -> torch.Tensor
         nv.extend([BT] * (n - 1) if n else ())
         if n:
             nv.append(b - a - BT * (n - 1))
-    at = -(-2 * NT // 4) * 4
+    at = _offsets_at(NT)
     buf = array("i", bytes(4 * (at + len(counts) + 1)))
     buf[0:2 * NT:2] = array("i", first)
     buf[1:2 * NT:2] = array("i", nv)
@@ -131,7 +137,7 @@ def _host_tables(offsets: list[int], counts: list[int], NT: int) -> torch.Tensor
 
 def _split(buf: torch.Tensor, NT: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`_tables`' buffer -> (chunks, table), views of it."""
-    at = -(-2 * NT // 4) * 4
+    at = _offsets_at(NT)
     return buf[at:], buf[:2 * NT].view(NT, 2)
 
 

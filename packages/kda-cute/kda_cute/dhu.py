@@ -81,7 +81,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _warp
 from . import scan_policy as P
 from ._common.cache import CallCache, alloc
 from ._common.lazy import LazyModule
@@ -305,23 +304,18 @@ def static_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None, *, tabl
 
 
 def _table_reason(qg, do, chunks, table) -> str | None:
-    """The table build's own reasons: chunks given, B = 1, the chunk table of qg's padded row
-    (`_warp.table_reason`: int32 [T_pad / 64, 2], contiguous, on do's device) and do the packed
-    row [1, T_raw, HV, V] with 1 <= T_raw <= T_pad. The table's contents are trusted, not read
-    (that would sync the host)."""
-    if chunks is None:
-        return "a chunk table (table=) needs chunks (each sequence's chunks on the padded row)"
+    """The table build's own reasons: qg the padded row [1, T_pad, ...], do the packed row [1,
+    T_raw, HV, V], then fwd's packed-row checks (`P.packed_row_reason`: chunks given, the chunk
+    table int32 [T_pad / 64, 2], contiguous, on the operands' device, 1 <= T_raw <= T_pad) and the
+    table 16-byte aligned. The table's contents are trusted, not read (that would sync the host)."""
     if qg.dim() != 4 or qg.shape[0] != 1 or qg.shape[1] % P.BT:
         return f"with a table qg is the padded row [1, T_pad, H, K], T_pad % 64 == 0; got {tuple(qg.shape)}"
-    T_pad = qg.shape[1]
-    r = _warp.table_reason(table, do.device, T_pad // P.BT)
+    if do.dim() != 4 or do.shape[0] != 1:
+        return f"with a table do is the packed row [1, T_raw, HV, V]; got {tuple(do.shape)}"
+    r = P.packed_row_reason(table, do.shape[1], qg, chunks)
     if r:
         return r
-    if table.data_ptr() % 16:
-        return "table not 16-byte aligned"
-    if do.dim() != 4 or do.shape[0] != 1 or not 1 <= do.shape[1] <= T_pad:
-        return f"with a table do is the packed row [1, T_raw <= {T_pad}, HV, V]; got {tuple(do.shape)}"
-    return None
+    return "table not 16-byte aligned" if table.data_ptr() % 16 else None
 
 
 def hard_reason(qg, kg, w, gk, h0, dht, do, dv, Aqk=None, chunks=None, *, table=None) -> str | None:

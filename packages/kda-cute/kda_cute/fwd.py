@@ -233,7 +233,7 @@ def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None, chunks=None, *, 
                   T_raw=None) -> str | None:
     """What the kernel cannot compute at all (shape / dtype / layout). q is not read by the
     kernel (qg replaces it), so it is not checked; qg must be what fwd_intra(want_qg=True) gives.
-    `table`, `T_raw`: the packed o (`fwd_scan`), checked by P.packed_out_reason."""
+    `table`, `T_raw`: the packed o (`fwd_scan`), checked by P.packed_row_reason."""
     if qg is None:
         return "qg not computed by fwd_intra"
     r = P.operand_reason(kg, w, u, gk, initial_state, chunks)
@@ -249,7 +249,7 @@ def static_reason(q, qg, kg, w, u, gk, Aqk, initial_state=None, chunks=None, *, 
     for name, t in (("qg", qg), ("Aqk", Aqk)):
         if not t.is_contiguous() or t.data_ptr() % 16:
             return f"{name} not contiguous / aligned"
-    return P.packed_out_reason(table, T_raw, u, chunks)
+    return P.packed_row_reason(table, T_raw, u, chunks)
 
 
 def plan_reason(q, v, initial_state=None, chunks=None) -> str | None:

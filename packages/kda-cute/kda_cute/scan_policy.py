@@ -199,11 +199,11 @@ def chunk_args(chunks, dev) -> tuple:
     return d, ()
 
 
-def packed_out_reason(table, T_raw, u, chunks) -> str | None:
-    """A scan's packed-output form (its outputs [1, T_raw, ...] written straight onto the packed
-    row through the chunk table, kda_chain.varlen's int32 [T_pad / 64, 2]: per chunk of the
-    padded row u [1, T_pad, ...] its first packed token and its valid rows), or why not. The
-    table's contents are trusted (reading them would sync): its builder checks them."""
+def packed_row_reason(table, T_raw, u, chunks) -> str | None:
+    """A scan's packed-row form (an output written, or an input read, straight on the packed row
+    [1, T_raw, ...] through the chunk table, kda_chain.varlen's int32 [T_pad / 64, 2]: per chunk
+    of the padded row u [1, T_pad, ...] its first packed token and its valid rows), or why not.
+    The table's contents are trusted (reading them would sync): its builder checks them."""
     if table is None:
         return None if T_raw is None else "T_raw without a table"
     if chunks is None:
