@@ -80,11 +80,13 @@ def top_kernels(fn, n: int = 25) -> None:
         print(f"    {ms:8.3f} ms {count:3d}x  {key[:90]}")
 
 
-def diagnose(name: str, fn) -> None:
+def diagnose(name: str, fn) -> dict:
     """Where a step's time goes beyond its kernels: the median from an idle GPU (host work before
     the first launch counted) against primed (device time only), the host time of one call (until
     its last launch returns), the synchronizing calls (torch's sync debug mode), and the CUDA
-    runtime calls that can stall the stream (allocations, frees, syncs, copies) in one call."""
+    runtime calls that can stall the stream (allocations, frees, syncs, copies) in one call; the
+    profiled call's idle gaps (`gaps`) and its host hot spots (`host_hot`). Returns the profiled
+    call's device time per kernel name (ms), for `kernel_diff`."""
     import time
     import warnings
 
@@ -112,6 +114,82 @@ def diagnose(name: str, fn) -> None:
            if e.key.startswith("cuda") and any(w in e.key for w in stalls)}
     print(f"  {name}: idle {idle:.3f} ms, primed {primed:.3f}, host {sorted(host)[2]:.3f}; "
           f"{len(syncs)} syncs {syncs[:3]}; runtime {api}", flush=True)
+    per_kernel = gaps(prof)
+    host_hot(fn)
+    return per_kernel
+
+
+def host_hot(fn, calls: int = 3, n: int = 10) -> None:
+    """cProfile of `calls` calls of fn: the n functions with the most own time, us per call (the
+    host path where it runs for real: launches, the caching allocator, autograd)."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr).stats
+    rows = sorted(((tt, nc, f"{fn_[0].rsplit('/', 1)[-1]}:{fn_[1]}:{fn_[2]}") for fn_, (_, nc, tt, _, _)
+                   in st.items()), reverse=True)[:n]
+    print("    host own time: " + "; ".join(f"{1e6 * tt / calls:.0f} us {nc // calls}x {w[:60]}"
+                                            for tt, nc, w in rows))
+
+
+def kernel_diff(a: dict, b: dict, floor_ms: float = 0.03) -> None:
+    """The kernels whose time differs by more than floor_ms between two calls' profiles (b - a)."""
+    d = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
+    big = sorted((k for k in d if abs(d[k]) > floor_ms), key=lambda k: -abs(d[k]))
+    print(f"    kernels packed - dense: total {sum(d.values()):+.3f} ms; "
+          + "; ".join(f"{d[k]:+.3f} {k[:50]}" for k in big))
+
+
+def gaps(prof, n: int = 6, floor_us: float = 20.0) -> dict:
+    """The GPU's idle time inside one profiled call: the n largest gaps between consecutive device
+    events (kernels, copies, memsets), each with the event after it and the runtime call that
+    launched that event (how long after the gap opened the host issued it: a gap the host fills
+    late is host-bound; one whose launch came early is a device-side wait), and the n slowest
+    runtime calls (a blocking copy or allocation shows there). Returns device ms per event name."""
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    dev = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    launch = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"}
+    if not dev:
+        return {}
+    span = dev[-1]["ts"] + dev[-1]["dur"] - dev[0]["ts"]
+    busy = sum(e["dur"] for e in dev)
+    rows, end, prev = [], dev[0]["ts"] + dev[0]["dur"], dev[0]["name"]
+    for e in dev[1:]:
+        if e["ts"] - end > floor_us:
+            r = launch.get(e["args"].get("correlation"))
+            lag = "" if r is None else f", launched {r['ts'] - end:+.0f} us after it opened by {r['name']}"
+            rows.append((e["ts"] - end, f"{e['name'][:50]} (after {prev[:40]}){lag}"))
+        end, prev = max(end, e["ts"] + e["dur"]), e["name"]
+    idle = sum(g for g, _ in rows)
+    cpu = [e for e in ev if e.get("cat") in ("cpu_op", "python_function")]
+    t0 = min((e["ts"] for e in cpu), default=dev[0]["ts"])
+    lead = f"first device event {dev[0]['ts'] - t0:.0f} us into the call, "
+    big = next((e for e in dev if e["dur"] > 100), dev[0])
+    lead += f"first > 100 us kernel at {big['ts'] - dev[0]['ts']:.0f} us ({big['name'][:40]}); "
+    print(f"    {lead}device span {span / 1e3:.3f} ms, busy {busy / 1e3:.3f}, gaps > {floor_us:.0f} us "
+          f"{idle / 1e3:.3f} ms in {len(rows)}")
+    for g, what in sorted(rows, reverse=True)[:n]:
+        print(f"    gap {g:8.0f} us before {what}")
+    slow = sorted((e for e in ev if e.get("cat") == "cuda_runtime"), key=lambda e: -e["dur"])[:n]
+    print("    slowest runtime calls: " + ", ".join(f"{e['name']} {e['dur']:.0f} us" for e in slow))
+    per: dict = {}
+    for e in dev:
+        per[e["name"]] = per.get(e["name"], 0.0) + e["dur"] / 1e3
+    return per
 
 
 def main() -> None:
@@ -159,8 +237,9 @@ def main() -> None:
             ("peer ours dense B16", _step(ours_kda, dense, ydo)),
             ("peer ours packed", _step(ours_kda, yp, ydop, **ppk))]
     if a.diagnose:
-        for name, fn in runs:
-            diagnose(name, fn)
+        ks = [diagnose(name, fn) for name, fn in runs]
+        kernel_diff(ks[0], ks[1])
+        kernel_diff(ks[2], ks[3])
         return
     kda = peers.cudnn_kda()
     if kda is not None:
