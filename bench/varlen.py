@@ -156,10 +156,12 @@ def gaps(prof, n: int = 6, floor_us: float = 20.0) -> dict:
     import os
     import tempfile
 
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    from kda_witness.trace import load_events
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        ev = [e for e in load_events(path)[1] if e.get("ph") == "X"]
     dev = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                  key=lambda e: e["ts"])
     launch = {e["args"].get("correlation"): e for e in ev if e.get("cat") == "cuda_runtime"}
