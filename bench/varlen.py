@@ -115,8 +115,56 @@ def diagnose(name: str, fn) -> dict:
     print(f"  {name}: idle {idle:.3f} ms, primed {primed:.3f}, host {sorted(host)[2]:.3f}; "
           f"{len(syncs)} syncs {syncs[:3]}; runtime {api}", flush=True)
     per_kernel = gaps(prof)
+    launch_times(fn)
     host_hot(fn)
     return per_kernel
+
+
+def launch_times(fn, calls: int = 5) -> None:
+    """When, into one call on the host (median of `calls`, ms from the call's start), each CuTe
+    launch of the chain is issued and returns, and when the call returns: the host lead before the
+    first kernel of substance, and where host time goes between launches (no profiler running)."""
+    import time
+
+    from kda_chain import stages as S
+
+    marks: list = []
+    orig = S._Plan.launch
+
+    def launch(self, name, mod, args, kwargs):
+        marks.append((name, time.perf_counter()))
+        try:
+            return orig(self, name, mod, args, kwargs)
+        finally:
+            marks.append(("/" + name, time.perf_counter()))
+
+    from kda_chain import varlen as VL
+
+    pack = VL.packing
+
+    def packing(*a, **k):
+        marks.append(("packing", time.perf_counter()))
+        try:
+            return pack(*a, **k)
+        finally:
+            marks.append(("/packing", time.perf_counter()))
+
+    S._Plan.launch, VL.packing = launch, packing
+    rows = []
+    try:
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            marks.clear()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            rows.append([(n, (t - t0) * 1e3) for n, t in marks] + [("end", (t1 - t0) * 1e3)])
+            torch.cuda.synchronize()
+    finally:
+        S._Plan.launch, VL.packing = orig, pack
+    n = min(len(r) for r in rows)
+    med = [(rows[0][i][0], sorted(r[i][1] for r in rows)[len(rows) // 2]) for i in range(n)]
+    print("    host marks (ms into the call): " + ", ".join(f"{w} {t:.3f}" for w, t in med))
 
 
 def host_hot(fn, calls: int = 3, n: int = 10) -> None:

@@ -24,7 +24,7 @@ varlen path without cu_seqlens_cpu); its tables are built there and copied over 
 
 from __future__ import annotations
 
-from array import array
+import struct
 from itertools import accumulate
 
 import torch
@@ -38,16 +38,16 @@ class Packing:
     offsets on the padded row: the scans' walk) and `table` (int32 [T_pad / 64, 2], per chunk of
     the padded row its first packed token and its valid rows 1..64, the pad rows after them:
     kda_cute_prep / fwd / dhu / bwd_chunk read and write the packed row through it), on the
-    device; `T` (total_T) and `T_pad`, the padded length. Built on first use (only where a row is
-    gathered: a stage that does not take the packed row, a traced call): `index` (int64 [total_T],
-    each token's row in the padded layout), `source` (int64 [T_pad], each padded row's token, 0 for
-    a pad row), `pad` (int64, the pad rows)."""
+    device; `T` (total_T) and `T_pad`, the padded length. Built on first use from the table (only
+    where a row is gathered: a stage that does not take the packed row, a traced call): `index`
+    (int64 [total_T], each token's row in the padded layout), `source` (int64 [T_pad], each padded
+    row's token, 0 for a pad row), `pad` (int64, the pad rows). Nothing here refers to the
+    caller's cu_seqlens, which it may refill before the backward."""
 
-    __slots__ = ("cu_seqlens", "T", "T_pad", "chunks", "table", "_rows")
+    __slots__ = ("T", "T_pad", "chunks", "table", "_rows")
 
-    def __init__(self, cu_seqlens: torch.Tensor, T: int, T_pad: int, chunks: torch.Tensor,
-                 table: torch.Tensor):
-        self.cu_seqlens, self.T, self.T_pad, self.chunks, self.table = cu_seqlens, T, T_pad, chunks, table
+    def __init__(self, T: int, T_pad: int, chunks: torch.Tensor, table: torch.Tensor):
+        self.T, self.T_pad, self.chunks, self.table = T, T_pad, chunks, table
         self._rows = None
 
     @property
@@ -56,7 +56,7 @@ class Packing:
 
     def _gathers(self) -> tuple:
         if self._rows is None:
-            self._rows = _rows(self.cu_seqlens, self.chunks, self.T, self.T_pad)
+            self._rows = _rows(self.table, self.T, self.T_pad)
         return self._rows
 
     @property
@@ -72,24 +72,18 @@ class Packing:
         return self._gathers()[2]
 
 
-def _runs(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
-    """The concatenated ranges [starts[n], starts[n] + lens[n]) (int64, on their device; `total` =
-    sum(lens) from the host, so no sync)."""
-    n = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=total)
-    first = torch.cumsum(lens, 0) - lens  # each run's position in the output
-    return torch.arange(total, device=lens.device) - first[n] + starts[n]
-
-
-def _rows(cu_seqlens: torch.Tensor, chunks: torch.Tensor, T: int, T_pad: int) -> tuple:
-    """(index, source, pad) of `Packing`, on cu_seqlens' device."""
-    dev = cu_seqlens.device
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    starts = chunks[:-1].to(torch.int64) * BT
-    index = _runs(starts, lens, T)
-    source = torch.zeros(T_pad, dtype=torch.int64, device=dev)
-    source[index] = torch.arange(T, device=dev)
-    pad = _runs(starts + lens, chunks[1:].to(torch.int64) * BT - starts - lens, T_pad - T)
-    return index, source, pad
+def _rows(table: torch.Tensor, T: int, T_pad: int) -> tuple:
+    """(index, source, pad) of `Packing`, from its chunk table, on the table's device (no sync:
+    T and T_pad come from the host). Padded row 64 c + r is token table[c, 0] + r when r <
+    table[c, 1], else a pad row; a stable sort of the rows by validity puts the pad rows first and
+    the valid ones after them in token order (the packed order is the padded row's)."""
+    dev = table.device
+    rows = torch.arange(T_pad, device=dev)
+    c, r = rows // BT, rows % BT
+    valid = r < table[c, 1]
+    source = torch.where(valid, table[c, 0].to(torch.int64) + r, 0)
+    order = torch.sort(valid.to(torch.uint8), stable=True).indices
+    return order[T_pad - T:], source, order[:T_pad - T]
 
 
 def _offsets_at(NT: int) -> int:
@@ -117,22 +111,22 @@ def _tables(cu: torch.Tensor, NT: int) -> torch.Tensor:
 
 
 def _host_tables(offsets: list[int], counts: list[int], NT: int) -> torch.Tensor:
-    """`_tables`' buffer built in plain Python from the host offsets (a CPU tensor). Plain Python,
-    not torch's CPU ops: a dozen of those cost ~90 us here on an idle CPU and 5-7x that when other
-    processes keep the cores busy (a training job's data loaders), this ~120 us at 2150 chunks
-    either way."""
+    """`_tables`' buffer built in plain Python from the host offsets (a CPU tensor over the packed
+    bytes). Plain Python, not torch's CPU ops: a dozen of those cost ~90 us here on an idle CPU and
+    5-7x that when other processes keep the cores busy (a training job's data loaders); this is
+    ~100 us at 2065 chunks in 30 sequences (list slices and one struct.pack: ~25% under an array
+    per column)."""
     first, nv = [], []
     for a, b, n in zip(offsets, offsets[1:], counts, strict=False):
-        first.extend(range(a, b, BT))
-        nv.extend([BT] * (n - 1) if n else ())
         if n:
+            first += range(a, b, BT)
+            nv += [BT] * (n - 1)
             nv.append(b - a - BT * (n - 1))
     at = _offsets_at(NT)
-    buf = array("i", bytes(4 * (at + len(counts) + 1)))
-    buf[0:2 * NT:2] = array("i", first)
-    buf[1:2 * NT:2] = array("i", nv)
-    buf[at:] = array("i", accumulate(counts, initial=0))
-    return torch.frombuffer(buf, dtype=torch.int32).clone()
+    words = [0] * at
+    words[0:2 * NT:2], words[1:2 * NT:2] = first, nv
+    words += accumulate(counts, initial=0)
+    return torch.frombuffer(bytearray(struct.pack(f"={len(words)}i", *words)), dtype=torch.int32)
 
 
 def _split(buf: torch.Tensor, NT: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +148,7 @@ def packing(cu_seqlens: torch.Tensor, offsets: list[int], host: bool = True) -> 
     T, NT = offsets[-1], sum(counts)
     if NT == 0:  # every sequence empty: no chunk
         chunks = torch.zeros(len(counts) + 1, dtype=torch.int32, device=dev)
-        return Packing(cu_seqlens, T, 0, chunks, torch.zeros(0, 2, dtype=torch.int32, device=dev))
+        return Packing(T, 0, chunks, torch.zeros(0, 2, dtype=torch.int32, device=dev))
     on_host = host and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
     if on_host:
         buf = _host_tables(offsets, counts, NT)
@@ -162,9 +156,7 @@ def packing(cu_seqlens: torch.Tensor, offsets: list[int], host: bool = True) -> 
             buf = buf.pin_memory().to(dev, non_blocking=True)
     else:
         buf = _tables(cu_seqlens.to(torch.int64), NT)
-    # (a copy: the gather rows are built on first use, maybe in the backward, and a caller may
-    # refill its cu_seqlens buffer before then)
-    return Packing(cu_seqlens.clone(), T, BT * NT, *_split(buf, NT))
+    return Packing(T, BT * NT, *_split(buf, NT))
 
 
 def _gather(x: torch.Tensor, rows: torch.Tensor, pad=None, fill: float = 0.0) -> torch.Tensor:
