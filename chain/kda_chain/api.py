@@ -246,7 +246,7 @@ def _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initia
     _check(len(offs) == cu_seqlens.shape[0],
            lambda: f"cu_seqlens_cpu has {len(offs)} offsets, cu_seqlens {cu_seqlens.shape[0]}")
     _check_offsets(offs, q.shape[1])
-    p = varlen.packing(cu_seqlens, offs, host=op._eager(q))
+    p = varlen.packing_of(cu_seqlens, offs, host=op._eager(q))  # (kept while cu_seqlens lives)
     if p.T_pad == q.shape[1]:  # every sequence whole chunks: the row is already the padded layout
         S.varlen_rows("native")  # (in place: nothing to gather)
         o, ht = _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args, chunks=p.chunks)

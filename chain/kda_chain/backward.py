@@ -3,7 +3,8 @@
     bwd_prep                   kda_cute_bwd_prep: gk from the raw gate and w, u, qg, kg from the
                                saved Akk (fla: kda_gate_chunk_cumsum / chunk_local_cumsum +
                                recompute_w_u); without the gate in the op the forward's gk is
-                               saved (as fla saves it) and read instead of recomputed
+                               saved (as fla saves it) and read instead of recomputed; a packed
+                               call's v, raw gate, beta read on their own row (`_Rows`)
     b1                         kda_cute_b1: re-scan h for every chunk and v_new (these two
                                skipped with disable_recompute: the forward kept them); on small
                                grids on a second stream, beside dhu (which does not read its outputs)
@@ -104,22 +105,21 @@ def backward(do, dht, s: Saved, f: Flags):
 
 
 def _backward(do, dht, s: Saved, f: Flags):
-    q, k, v, beta = s.q, s.k, s.v, s.beta
+    q, k = s.q, s.k
+    ins = _Inputs(s, f)
     if s.kept is not None:  # disable_recompute: the forward kept these (and gk)
         gk, w, u, qg, kg, h, v_new = (s.gk, s.kept.w, s.kept.u, s.kept.qg, s.kept.kg, s.kept.h, s.kept.v_new)
     else:  # gk and the WY factors again from the raw gate and the saved Akk (one kernel)
-        kw = {} if s.gk is None else dict(gk=s.gk)  # (the forward's gk: no gate in the op)
-        gk, w, u, qg, kg = S.bwd_prep(q, k, v, s.g, beta, s.A_log, s.dt_bias, s.Akk, f.lower_bound,
-                                      f.use_gate_in_kernel, f.chunk_size, **kw)
+        gk, w, u, qg, kg = _recompute(ins, s, f)
     # bwd_dAv's two products live in the CuTe kernels that hold their operands: dv = tril(Aqk)^T do
     # in dhu's reverse scan, dAqk = scale tril(do v_new^T) in wy_dqkg's V walk. Where either stage
     # is not the CuTe kernel, bwd_dAv runs (with that stage's reason in the record).
-    dos = _Do(do, s.packing)
+    dos = _Rows(do, s.packing)
     dhu_in = (qg, kg, w, gk, s.initial_state, dht)
     impl, reason, dhu_do, dhu_kw = _dhu_choice(dhu_in, dos, s, f)
     fused = impl.name == "cute"
     # the fused dhu needs nothing of b1's: on small grids the two serial scans overlap (`_side_stream`)
-    side = _side_stream(do, v, s.chunks) if fused and s.kept is None else None
+    side = _side_stream(do, s.v, s.chunks) if fused and s.kept is None else None
     main = None if side is None else torch.cuda.current_stream(side.device)
     dAqk = None
     try:
@@ -138,32 +138,76 @@ def _backward(do, dht, s: Saved, f: Flags):
     if side is not None:
         _made_on(main, h, v_new)
     del qg, kg, w, u, dhu_in, dhu_do  # (the argument tuples hold references too)
-    wy_in = [q, k, v, v_new, gk, beta, s.Akk, h, None, dh, dv, f.scale]  # (do: `_chunk_parallel`'s)
+    # (v, beta, do: `_chunk_parallel`'s, on the row the stage that runs reads)
+    wy_in = [q, k, None, v_new, gk, None, s.Akk, h, None, dh, dv, f.scale]
     del h, dh, v_new, dv  # (wy_in's references go as soon as their stage is done)
-    return _chunk_parallel(wy_in, dos, dh0, dAqk, s, f)
+    return _chunk_parallel(wy_in, dos, ins, dh0, dAqk, s, f)
 
 
-class _Do:
-    """The backward's do. A packed call's arrives on the packed row [1, total_T, HV, V] (`rows`):
-    kda_cute_dhu and kda_cute_bwd_chunk read it there through the chunk table; a stage that does
-    not gets one copy on the padded row (`padded`: gathered once, recorded with the first stage's
-    reason). Any other call's do is the padded row's already."""
+class _Rows:
+    """A tensor the backward reads on a packed call's own row [1, total_T, ...] (`rows`) where the
+    CuTe kernel takes the chunk table: do (kda_cute_dhu, kda_cute_bwd_chunk) and, saved so by the
+    native prep, v, the raw gate and beta (kda_cute_bwd_prep, kda_cute_bwd_chunk); a stage that
+    does not gets one copy on the padded row (`padded`: gathered once, its pad rows `fill`,
+    recorded with the first such stage's reason). Without a packing (p None) the tensor is the
+    padded row's already (or None)."""
 
-    __slots__ = ("rows", "p", "_padded")
+    __slots__ = ("rows", "p", "fill", "_padded")
 
-    def __init__(self, do, p):
-        self.rows, self.p, self._padded = do, p, (do if p is None else None)
+    def __init__(self, x, p, fill: float = 0.0):
+        self.rows, self.p, self.fill = x, p, fill
+        self._padded = x if p is None or x is None else None
 
     def padded(self, why: str | None):
         if self._padded is None:
             from .varlen import to_padded
 
             with S.varlen_io("gather", why):
-                self._padded = to_padded(self.rows, self.p)
+                self._padded = to_padded(self.rows, self.p, self.fill)
         return self._padded
 
 
-def _dhu_choice(dhu_in: tuple, dos: _Do, s: Saved, f: Flags):
+class _Inputs:
+    """The saved v, raw gate, beta as `_Rows`: on the packed row where the forward's native prep
+    left them there (`Saved.packed_in`; the raw gate's pad rows then take the chain's pad gate),
+    else the padded row's."""
+
+    __slots__ = ("v", "g", "beta")
+
+    def __init__(self, s: Saved, f: Flags):
+        p = s.packing if s.packed_in else None
+        fill = 0.0
+        if p is not None and s.g is not None:
+            from .varlen import gate_fill
+
+            fill, dtype = gate_fill(s.g.dtype, f.use_gate_in_kernel, f.lower_bound)
+            assert dtype is None, "the native prep takes no raw gate that changes dtype on the padded row"
+        self.v, self.g, self.beta = _Rows(s.v, p), _Rows(s.g, p, fill), _Rows(s.beta, p)
+
+    def padded(self, why: str | None):
+        """v, g, beta on the padded row (each gathered once where packed)."""
+        return self.v.padded(why), self.g.padded(why), self.beta.padded(why)
+
+
+def _recompute(ins: _Inputs, s: Saved, f: Flags):
+    """The bwd_prep stage -> gk, w, u, qg, kg: a packed call's v, raw gate, beta read on the packed
+    row where kda_cute_bwd_prep takes the chunk table, else on the padded row (gathered, with the
+    reason)."""
+    kw = {} if s.gk is None else dict(gk=s.gk)  # (the forward's gk: no gate in the op)
+    tail = (s.A_log, s.dt_bias, s.Akk, f.lower_bound, f.use_gate_in_kernel, f.chunk_size)
+    why = None
+    if ins.v.p is not None:
+        args = (s.q, s.k, ins.v.rows, ins.g.rows, ins.beta.rows, *tail)
+        table = dict(table=ins.v.p.table)
+        impl, reason = S.bwd_prep.choose(*args, **kw, **table)
+        if impl.name == "cute":
+            S.varlen_rows("native")
+            return S.bwd_prep.run(impl, reason, *args, **kw, **table)
+        why = f"bwd_prep: {reason}"
+    return S.bwd_prep(s.q, s.k, *ins.padded(why), *tail, **kw)
+
+
+def _dhu_choice(dhu_in: tuple, dos: _Rows, s: Saved, f: Flags):
     """-> (impl, reason, do, keywords) of the dhu stage, asked in its fused form (Aqk, no dv): a
     packed call's do on its own row where the CuTe kernel takes the chunk table, else the padded
     row's (the choice then as for any call)."""
@@ -180,32 +224,39 @@ def _dhu_choice(dhu_in: tuple, dos: _Do, s: Saved, f: Flags):
     return impl, reason, do, {}
 
 
-def _chunk_parallel(wy_in: list, dos: _Do, dh0, dAqk, s: Saved, f: Flags):
+def _chunk_parallel(wy_in: list, dos: _Rows, ins: _Inputs, dh0, dAqk, s: Saved, f: Flags):
     """Everything after the two scans, from bwd_chunk's inputs `wy_in` (emptied as soon as their
-    stage is done; its do, slot 8, from `dos`: a packed call's own row where the kernel writes the
-    packed gradients, else the padded row's): bwd_chunk (or its stages), gva_sum, the gate, l2norm
-    and beta sigmoid backwards -> the backward's outputs."""
-    q, k, v = wy_in[:3]
-    H, HV = q.shape[2], v.shape[2]
+    stage is done; its v, beta, do, slots 2, 5, 8, from `ins` and `dos`: a packed call's own row
+    where the kernel writes the packed gradients, else the padded row's): bwd_chunk (or its
+    stages), gva_sum, the gate, l2norm and beta sigmoid backwards -> the backward's outputs."""
+    q, k = wy_in[:2]
+    H, HV = q.shape[2], s.v.shape[2]
     emit_bf16 = HV == H and q.dtype in _HALF
     kw = dict(emit_bf16=emit_bf16)
     if f.use_qk_l2norm_in_kernel and HV == H:  # the L2 norm's backward too, inside
         kw.update(q_rstd=s.q_rstd, k_rstd=s.k_rstd)
     gate_kw = {}
     if f.use_gate_in_kernel and s.A_log is not None:  # fla's gate backward of dg too, inside
-        gate_kw = dict(g=s.g, A_log=s.A_log, dt_bias=s.dt_bias, lower_bound=f.lower_bound)
+        gate_kw = dict(g=ins.g.rows, A_log=s.A_log, dt_bias=s.dt_bias, lower_bound=f.lower_bound)
     p = s.packing
-    if p is not None:  # the gradients straight onto the packed row (kda_cute_bwd_chunk, the chunk table)
+    impl = None
+    if p is not None and ins.v.p is not None:  # the packed row in and out (bwd_chunk's chunk table)
         packed_kw, why = _packed_outputs(f, HV == H, gate_kw, p)
-        if packed_kw is not None:  # (the kernel's varlen build reads do on the packed row too)
-            wy_in[8] = dos.rows
+        if packed_kw is not None:  # (the kernel's varlen build reads do, v, beta, g on the packed row)
+            wy_in[2], wy_in[5], wy_in[8] = ins.v.rows, ins.beta.rows, dos.rows
             impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw, **packed_kw)
             if impl.name == "cute":
                 kw.update(packed_kw)
             else:
                 why = f"bwd_chunk: {reason}"
+    elif p is not None:
+        why = "the forward's inputs are on the padded row (kda_cute_prep's native build did not run)"
     if "table" not in kw:
-        wy_in[8] = dos.padded(why if p is not None else None)
+        why = why if p is not None else None
+        v, g, beta = ins.padded(why)
+        wy_in[2], wy_in[5], wy_in[8] = v, beta, dos.padded(why)
+        if gate_kw:
+            gate_kw["g"] = g
         impl, reason = S.bwd_chunk.choose(*wy_in, **kw, **gate_kw)
     if impl.name != "cute" and gate_kw:  # the kernel may still take the call without the gate's part
         alt = S.bwd_chunk.choose(*wy_in, **kw)
@@ -226,8 +277,9 @@ def _chunk_parallel(wy_in: list, dos: _Do, dh0, dAqk, s: Saved, f: Flags):
             dq, dk, dv, db, dg = _wy_then_intra(wy_in, dAqk, s, f, emit_bf16)
     del dAqk  # (bwd_dAv's, where dhu was not the CuTe kernel)
 
-    if f.use_gate_in_kernel and not gate_done:
-        dg, dA_log, ddt_bias = S.gate_bwd(s.g, s.A_log, s.dt_bias, dg, f.lower_bound)
+    if f.use_gate_in_kernel and not gate_done:  # (dg on the padded row here: bwd_chunk wrote no table)
+        dg, dA_log, ddt_bias = S.gate_bwd(ins.g.padded("gate_bwd: after bwd_chunk, on the padded row"),
+                                          s.A_log, s.dt_bias, dg, f.lower_bound)
     if f.use_qk_l2norm_in_kernel and not l2norm_done:  # (GVA: each stage sums the group inside)
         dq = S.l2norm_bwd(q, s.q_rstd, dq)
         dk = S.l2norm_bwd(k, s.k_rstd, dk)

@@ -25,8 +25,9 @@ skips bwd_prep and b1.
 
 A packed call given its `Packing` (kda_chain.varlen) passes the packed inputs [1, total_T, ...]
 themselves: kda_cute_prep reads them through the packing's chunk table and writes, beside its own
-outputs, their copies on the padded row (q, k, v, the raw gate with the gate in the op, the
-activated beta: what the padded-row stages and the backward read), so nothing is gathered in;
+outputs, q and k on the padded row (normalized with the L2 norm in the op, else copies); v, the raw
+gate and the activated beta are saved on the packed row as they came (`Saved.packed_in`: the
+backward's kernels read them there, a stage that does not gathers them), so nothing is gathered in;
 where its CuTe kernel does not take the call the inputs are gathered onto the padded row first
 (`kda::varlen_io::gather` with the reason) and the chain runs as for a padded call. kda_cute_fwd
 writes o on the packed row through the same table (`_scan_out`); where it does not take the call,
@@ -95,6 +96,7 @@ class Saved:
     # a packed call given its Packing (module doc): every saved tensor is on the padded row but
     # beta_raw (the packed row's); the backward writes the gradients on the packed row
     packing: object | None = None
+    packed_in: bool = False  # with the packing: v, g, beta on the packed row too (the native prep)
 
 
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks=None, packing=None):
@@ -119,8 +121,9 @@ def _padded_form(x: torch.Tensor, T_pad: int) -> torch.Tensor:
 
 def _native_prep(q, k, prep_in, f: Flags, packing):
     """kda_cute_prep on the packed inputs through the chunk table -> ((gk, w, u, qg, kg, Aqk, Akk,
-    q, k, v, g, beta on the padded row, q_rstd, k_rstd), None), or (None, the reason) where the
-    kernel does not take the call (the caller gathers the inputs then)."""
+    q, k on the padded row, v, g (None without the gate in the op), beta on the packed row,
+    q_rstd, k_rstd), None), or (None, the reason) where the kernel does not take the call (the
+    caller gathers the inputs then)."""
     l2 = f.use_qk_l2norm_in_kernel
     impl, reason = S.fwd_prep.choose(q, k, *prep_in, l2norm=l2, table=packing.table)
     if impl.name != "cute":
@@ -128,7 +131,8 @@ def _native_prep(q, k, prep_in, f: Flags, packing):
     S.varlen_rows("native")
     out = S.fwd_prep.run(impl, reason, q, k, *prep_in, l2norm=l2, table=packing.table)
     rstd = out[9:11] if l2 else (None, None)
-    return (*out[:7], *out[-5:], *rstd), None
+    v, g, beta = prep_in[:3]
+    return (*out[:7], *out[-2:], v, g if f.use_gate_in_kernel else None, beta, *rstd), None
 
 
 def _scan_out(fwd_in: tuple, chunks, packing):
@@ -192,5 +196,5 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, f: Flags, chunks, 
         kept = Kept(w, u, qg, kg, h, v_new)
     keep_gk = kept is not None or not f.use_gate_in_kernel  # fla's rule (its memory, no more)
     saved = Saved(q, q_rstd, k, k_rstd, v, gk if keep_gk else None, g, beta_raw,
-                  beta, A_log, dt_bias, Aqk, Akk, initial_state, kept, chunks)
+                  beta, A_log, dt_bias, Aqk, Akk, initial_state, kept, chunks, packed_in=native is not None)
     return (o if o.dtype == q.dtype else o.to(q.dtype)), ht, saved

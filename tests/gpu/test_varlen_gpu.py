@@ -108,11 +108,12 @@ def test_varlen_within_2x_of_fla_error(case):
     ours = _run(_packed(chunk_kda), x, cot, offs)
     log = dispatch_log()
     stages = {c.stage: (c.impl, c.reason) for c in log}
-    # the packed rows in place: the inputs (kda_cute_prep), o (kda_cute_fwd), do (kda_cute_dhu and
+    # the packed rows in place: the inputs (kda_cute_prep; v, the raw gate, beta again in
+    # kda_cute_bwd_prep and kda_cute_bwd_chunk), o (kda_cute_fwd), do (kda_cute_dhu and
     # kda_cute_bwd_chunk), the gradients (kda_cute_bwd_chunk; with GVA and the L2 norm in the op dq,
     # dk only are gathered, after l2norm_bwd)
     rows_io = [(c.impl, c.reason) for c in log if c.stage == "varlen_io"]
-    assert rows_io == [("native", None)] * 4, f"packed rows gathered: {rows_io}"
+    assert rows_io == [("native", None)] * 5, f"packed rows gathered: {rows_io}"
     fla = _run(_packed(fla_kda), x, cot, offs)
     ref = _run(_oracle, x, cot, offs, dtype=torch.float64)
     rows = _errors(ours, ref, fla)

@@ -227,9 +227,10 @@ def test_the_host_and_device_builds_of_the_tables_agree(lens):
 def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva, gate):
     """On the chain's CuTe path (kernels stubbed: kda_chain.testing.stub_device), an eager packed
     call hands every kernel that touches the packed row the chunk table: kda_cute_prep the packed
-    inputs, kda_cute_fwd the packed o, kda_cute_dhu and kda_cute_bwd_chunk the packed do, and
-    kda_cute_bwd_chunk the packed gradients: nothing is gathered, the record says `varlen_io native`
-    for each of the four, and every gradient comes out on the packed row in its input's form. With
+    inputs, kda_cute_fwd the packed o, kda_cute_bwd_prep the packed v, raw gate and beta,
+    kda_cute_dhu and kda_cute_bwd_chunk the packed do, and kda_cute_bwd_chunk v, the raw gate, beta
+    and the packed gradients: nothing is gathered, the record says `varlen_io native` for each of
+    the five, and every gradient comes out on the packed row in its input's form. With
     GVA and the L2 norm in the op (l2norm_bwd runs after bwd_chunk, on the padded row) dq and dk
     stay there (`qk_padded`) and are the only tensors gathered. Without the gate in the op (no
     padded copy of g: bwd_prep takes g=None beside the forward's gk) every backward launch is
@@ -245,7 +246,7 @@ def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva, gate):
     real = varlen._gather
     monkeypatch.setattr(varlen, "_gather",
                         lambda x, *a, **k: gathers.append(tuple(x.shape)) or real(x, *a, **k))
-    for name in ("prep", "fwd", "dhu", "bwd_chunk"):
+    for name in ("prep", "fwd", "bwd_prep", "dhu", "bwd_chunk"):
         mod = __import__(f"kda_cute.{name}", fromlist=["launch"])
         launch = mod.launch_raw if name == "bwd_chunk" else mod.launch
         monkeypatch.setattr(mod, launch.__name__, lambda *a, _f=launch, _n=name, **k:
@@ -276,8 +277,36 @@ def test_packed_rows_go_native_through_the_cute_kernels(monkeypatch, gva, gate):
         (bwd_plan,) = [ls for _, ls in S._plans.values() if any(n == "bwd_prep" for n, _, _ in ls)]
         assert all(rp is not None for _, _, rp in bwd_plan), bwd_plan
     T_pad = 64 * sum(-(-n // 64) for n in lens)
-    assert io == [("native", None)] * 4, io
-    assert tables == [("prep", True, False), ("fwd", True, False), ("dhu", True, False),
-                      ("bwd_chunk", True, gva)], tables
+    assert io == [("native", None)] * 5, io
+    assert tables == [("prep", True, False), ("fwd", True, False), ("bwd_prep", True, False),
+                      ("dhu", True, False), ("bwd_chunk", True, gva)], tables
     qk = [(1, T_pad, H, K)] * 2 if gva else []  # dq, dk after l2norm_bwd's group sum
     assert gathers == qk, "nothing gathered (but dq, dk with GVA and the L2 norm)"
+
+
+def test_the_packing_is_kept_while_its_cu_seqlens_lives():
+    """An eager call's layout is built once per cu_seqlens tensor (the layers of one step share it,
+    as fla shares its chunk indices): the same tensor unchanged gives the same Packing; new host
+    offsets, an in-place change (its version) or a traced build give a fresh one; the entry goes
+    with the tensor."""
+    import gc
+
+    from kda_chain import varlen
+
+    offs = [0, 5, 70, 200]
+    cu = torch.tensor(offs, dtype=torch.int32)
+    a = varlen.packing_of(cu, offs)
+    assert varlen.packing_of(cu, offs) is a
+    assert varlen.packing_of(cu, [0, 6, 70, 200]) is not a  # other host offsets: rebuilt (and kept)
+    b = varlen.packing_of(cu, offs)
+    assert b is not a and varlen.packing_of(cu, offs) is b
+    cu.add_(0)  # an in-place write bumps the version
+    c = varlen.packing_of(cu, offs)
+    assert c is not b and torch.equal(c.table, b.table)
+    assert varlen.packing_of(cu, offs, host=False) is not c  # a traced call's build is never kept
+    other = cu.clone()
+    assert varlen.packing_of(other, offs) is not c
+    n = len(varlen._BY_CU)
+    del cu, other
+    gc.collect()
+    assert len(varlen._BY_CU) == n - 2

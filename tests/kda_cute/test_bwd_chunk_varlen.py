@@ -1,13 +1,14 @@
-"""kda_cute_bwd_chunk's varlen build (a chunk table: packed sequences) reads do on the packed row
-and writes its gradients there, bit for bit the padded-row build's at the corresponding rows, and
-nothing else (CPU).
+"""kda_cute_bwd_chunk's varlen build (a chunk table: packed sequences) reads do, v, beta and the
+raw gate on the packed row and writes its gradients there, bit for bit the padded-row build's at
+the corresponding rows, and nothing else (CPU).
 
 Packed sequences of lengths 1, 63, 64, 65, 3 (T_raw = 196, six chunks on the padded row, T_pad =
 384; chunk valid rows 1, 63, 64, 64, 1, 3). The inputs are random on every padded row, the pad rows
 included (the kernel never stores a pad row's gradient, which is what is tested; the chain's pad
-rows are no-op tokens besides), except do: the padded build takes the padded do with zero pad rows
-(what the chain's gather gave it), the varlen build the same rows on the packed row, its rows no
-chunk reads NaN / +-Inf (a load of one would reach every valid row's dk through dAqk). The
+rows are no-op tokens besides), except do, v, beta and the raw gate: the padded build takes them
+with the chain's pad rows (zeros; the raw gate's pad value), the varlen build the same rows on the
+packed row, its rows no chunk reads NaN / +-Inf (a load of one would reach every valid row's dk
+through dAqk). The
 interpreter (ptxsim.kda_wy.emulate_bwd_chunk) runs the varlen build's PTX with each packed-row
 output, and do, between poisoned guard rows (the outputs' asserted unchanged; do's poison before
 row 0 and past T_raw) and its CTAs in descending chunk order, so a store past a chunk's valid rows
@@ -29,6 +30,7 @@ import torch
 pytest.importorskip("cutlass.cute")
 C = pytest.importorskip("kda_cute.bwd_chunk")
 from kda_chain.varlen import packing  # noqa: E402
+from kda_cute import _warp  # noqa: E402
 from ptxsim.kda_wy import emulate_bwd_chunk, wy_inputs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("sm90a")
@@ -81,14 +83,14 @@ def _poison(shape, dtype):
     return vals.repeat(n // 3 + 1)[:n].view(shape)
 
 
-def _do_pair(do, table, T_raw):
-    """(the padded do: `do` with its pad rows zero, as the chain's gather leaves them; the packed
-    do [1, T_raw, HV, V]: the same valid rows, its gap rows poisoned)."""
+def _pair(x, table, T_raw, fill=0.0):
+    """(the padded x: `x` with its pad rows `fill`, as the chain's pack_inputs leaves them; the
+    packed x [1, T_raw, ...]: the same valid rows, its gap rows poisoned)."""
     src = _source(table, T_raw)
     on = src >= 0
-    pad = torch.zeros_like(do)
-    pad[0, src[on]] = do[0, src[on]]
-    packed = _poison((1, T_raw, *do.shape[2:]), do.dtype)
+    pad = torch.full_like(x, fill)
+    pad[0, src[on]] = x[0, src[on]]
+    packed = _poison((1, T_raw, *x.shape[2:]), x.dtype)
     packed[0, on] = pad[0, src[on]]
     return pad, packed
 
@@ -100,16 +102,22 @@ def _check(ptx, a, ctas, qk_padded=False, gapped=False, **kw):
     the packed row with poisoned gaps (TABLE_G). -> the two builds' results."""
     table, T_raw = (TABLE_G, T_RAW_G) if gapped else (TABLE, T_RAW)
     emit = kw.pop("emit_bf16", False)
+    a, av = list(a), list(a)
+    for i in (2, 5, 8):  # v, beta, do
+        a[i], av[i] = _pair(a[i], table, T_raw)
+    if "gate" in kw:  # the raw gate: the chain's pad value in its pad rows
+        gate, gv = dict(kw["gate"]), dict(kw["gate"])
+        gate["g"], gv["g"] = _pair(gate["g"], table, T_raw, _warp.gate_pad_value(gate["g"].dtype, True))
+        kw["gate"] = gate
     ckw = {"q_rstd": kw["rstd"][0], "k_rstd": kw["rstd"][1]} if "rstd" in kw else {}
     ckw.update(kw.get("gate", {}))
-    pad, packed = _do_pair(a[8], table, T_raw)
-    a, av = list(a), list(a)
-    a[8], av[8] = pad, packed
+    ckv = {**ckw, **({"g": gv["g"]} if "gate" in kw else {})}
+    kwv = {**kw, **({"gate": gv} if "gate" in kw else {})}
     vl = dict(table=table, T_raw=T_raw, **({"qk_padded": True} if qk_padded else {}))
-    text = ptx(C.compile_for(*av, SCALE, emit_bf16=emit, **ckw, keep_ptx=True, **vl))
+    text = ptx(C.compile_for(*av, SCALE, emit_bf16=emit, **ckv, keep_ptx=True, **vl))
     assert "Varlen" in text.split(".entry", 1)[1].split("(", 1)[0]
     assert ".local" not in text.split(".entry", 1)[1], "register arrays fell to local memory"
-    got = emulate_bwd_chunk(text, av, emit_bf16=emit, ctas=ctas, **vl, **kw)
+    got = emulate_bwd_chunk(text, av, emit_bf16=emit, ctas=ctas, **vl, **kwv)
     base = emulate_bwd_chunk(ptx(C.compile_for(*a, SCALE, emit_bf16=emit, **ckw, keep_ptx=True)), a,
                              emit_bf16=emit, ctas=ctas, **kw)
     HV = a[2].shape[2]
@@ -230,18 +238,19 @@ def test_qk_padded_outputs_and_reasons(monkeypatch):
     """qk_padded's allocation (dq, dk padded, the rest packed), its compile key and its reasons
     (is_supported with the device check stubbed: no GPU here)."""
     a = wy_inputs(B=1, T=P.T_pad, H=1, HV=2, V=64)
-    a[8] = a[8][:, :T_RAW].contiguous()  # do on the packed row
+    for i in (2, 5, 8):  # v, beta, do on the packed row
+        a[i] = a[i][:, :T_RAW].contiguous()
     cfg, outs, _, _ = C._prepare(*a, SCALE, table=TABLE, T_raw=T_RAW, qk_padded=True)
     assert [tuple(t.shape[:2]) for t in outs] == [(1, P.T_pad)] * 2 + [(1, T_RAW)] * 3
     assert cfg.varlen and cfg.qk_padded
     assert cfg != C._prepare(*a, SCALE, table=TABLE, T_raw=T_RAW)[0]  # part of the compile key
     assert not C._prepare(*a, SCALE, qk_padded=True)[0].qk_padded  # only with varlen
-    monkeypatch.setattr(C._wy, "_hard_reason", lambda *args: None)
+    monkeypatch.setattr(C._wy, "_hard_reason", lambda *args, **kw: None)
     assert C.is_supported(*a, SCALE, table=TABLE, T_raw=T_RAW, qk_padded=True) is None
     assert "goes with a chunk table" in C.is_supported(*a, SCALE, qk_padded=True)
     rstd = torch.rand(1, P.T_pad, 1) + 0.5  # (the rstds' own check wants a GPU: the table's reason)
-    assert C._table_reason(a[2], TABLE, T_RAW, False, rstd) is None
-    r = C._table_reason(a[2], TABLE, T_RAW, True, rstd)
+    assert C._table_reason(a[3], TABLE, T_RAW, False, rstd) is None
+    r = C._table_reason(a[3], TABLE, T_RAW, True, rstd)
     assert "not with q_rstd" in r and "\n" not in r
     with pytest.raises(ValueError, match="unsupported call: qk_padded"):
         C.bwd_chunk(*a, SCALE, qk_padded=True)
@@ -264,35 +273,46 @@ def test_table_reasons():
         C.bwd_chunk(*a, SCALE, table=TABLE)
 
 
-def test_do_reasons(monkeypatch):
-    """With a table do must be the packed row's [1, T_raw, HV, V] (v's dtype, contiguous): one-line
-    reasons for the padded do and other wrong ones; without a table the padded one, as before
-    (is_supported with wy_dqkg's checks stubbed where they would want a GPU)."""
+def test_packed_row_reasons(monkeypatch):
+    """With a table do and v must be the packed row's [1, T_raw, HV, V] (v_new's dtype, contiguous)
+    and beta [1, T_raw, HV]: one-line reasons for the padded ones and other wrong ones; without a
+    table the padded ones, as before (is_supported with wy_dqkg's checks stubbed where they would
+    want a GPU)."""
     a = wy_inputs(B=1, T=P.T_pad, H=1, HV=2, V=64)
     padded = a[8]
     packed = padded[:, :T_RAW].contiguous()
     no_table = C.is_supported(*a[:8], packed, *a[9:], SCALE)  # wy_dqkg's do shape check, first
     assert "do must be [B,T,HV,V]" in no_table
-    monkeypatch.setattr(C._wy, "_hard_reason", lambda *args: None)
+    b = list(a)
+    for i in (2, 5, 8):
+        b[i] = a[i][:, :T_RAW].contiguous()
+    assert "v must be [B,T,HV,V]" in C.is_supported(*b, SCALE)  # packed v without a table
+    monkeypatch.setattr(C._wy, "_hard_reason", lambda *args, **kw: None)
     vl = dict(table=TABLE, T_raw=T_RAW)
 
-    def reason(do):
-        return C.is_supported(*a[:8], do, *a[9:], SCALE, **vl)
+    def reason(i, x):
+        c = list(b)
+        c[i] = x
+        return C.is_supported(*c, SCALE, **vl)
 
-    assert reason(packed) is None
-    bad = {
-        "the padded row": padded,
-        "HV": packed[:, :, :1].contiguous(),
-        "V": packed[..., :32].contiguous(),
-        "rows": packed[:, :-1].contiguous(),
-        "3-d": packed[0],
-    }
-    for what, do in bad.items():
-        r = reason(do)
-        assert r is not None and "do must be on the packed row [1,T_raw,HV,V] = (1, 196, 2, 64)" in r, what
-        assert "\n" not in r, what
-    assert "dtype" in reason(packed.half())
-    strided = torch.empty(1, 64, T_RAW, 2, dtype=packed.dtype).permute(0, 2, 3, 1)
-    assert reason(strided) == "do is not contiguous"
+    assert reason(8, packed) is None
+    for i, name in ((8, "do"), (2, "v")):
+        bad = {
+            "the padded row": a[i],
+            "HV": b[i][:, :, :1].contiguous(),
+            "V": b[i][..., :32].contiguous(),
+            "rows": b[i][:, :-1].contiguous(),
+            "3-d": b[i][0],
+        }
+        for what, x in bad.items():
+            r = reason(i, x)
+            want = f"{name} must be on the packed row [1,T_raw,HV,V] = (1, 196, 2, 64)"
+            assert r is not None and want in r, what
+            assert "\n" not in r, what
+        assert "dtype" in reason(i, b[i].half())
+        strided = torch.empty(1, 64, T_RAW, 2, dtype=b[i].dtype).permute(0, 2, 3, 1)
+        assert reason(i, strided) == f"{name} is not contiguous"
+    r = reason(5, a[5])
+    assert r is not None and "beta must be on the packed row [1,T_raw,HV] = (1, 196, 2)" in r
     with pytest.raises(ValueError, match="unsupported call: with a chunk table do must be on the packed row"):
-        C.bwd_chunk(*a, SCALE, **vl)
+        C.bwd_chunk(*b[:8], padded, *b[9:], SCALE, **vl)

@@ -36,6 +36,23 @@ def gate_form(use_gate: bool, lower_bound) -> str:
     return "none" if not use_gate else ("softplus" if lower_bound is None else "lower_bound")
 
 
+GATE_PAD = -1e30  # a pad row's raw gate (the chain's kda_chain.varlen.GATE_PAD): its step gate is 0
+
+
+def gate_pad_value(g_dtype, use_gate_in_kernel: bool) -> float:
+    """A pad row's raw gate in g's dtype (a torch dtype or its DT name), as the chain's pack_inputs
+    fills it (varlen builds: kda_cute_prep's gate rows, kda_cute_bwd_chunk's gate backward): 0 for
+    a given log gate; with the gate in the op -1e30 as g's dtype rounds it (fp32 / bf16), -inf for
+    fp16 (the softplus form: -1e30 overflows fp16; the lower_bound form is refused there)."""
+    if not use_gate_in_kernel:
+        return 0.0
+    if isinstance(g_dtype, str):
+        g_dtype = next(dt for dt, name in DT.items() if name == g_dtype)
+    if g_dtype == torch.float16:
+        return float("-inf")
+    return float(torch.tensor(GATE_PAD, dtype=g_dtype))
+
+
 def gate_param(t: torch.Tensor, shape: tuple) -> torch.Tensor:
     """A gate parameter (A_log, dt_bias) as the kernels read it: fp32 of `shape`, contiguous and
     16-byte aligned (every view is assumed so); a view when it already is one (the common case:

@@ -25,19 +25,21 @@ factors (gk, Akk), every gradient of the chunk-parallel backward:
         (B, NT) with torch as fla sums its per-block ones (dA_log in A_log's dtype and shape,
         ddt_bias [HV * K] in dt_bias's)
     with a chunk `table` and T_raw (varlen: packed sequences, kda_chain.varlen; B == 1): do, the
-        user's output gradient, on the packed row [1, T_raw, HV, V] as the user gives it; the
-        other inputs on the padded row [1, T, ...] as without a table (every sequence starting on
-        a chunk, its last chunk filled with pad rows; the rstds and the raw gate too); the five
-        outputs dq, dk, dv2, db, dg on the packed row [1, T_raw, ...]. table int32 [T / 64, 2],
-        per chunk c of the padded row table[c, 0] the packed row of its first row and table[c, 1]
-        its valid rows nv (1..64): its row r < nv is packed row table[c, 0] + r, both for do's
-        loads and for the gradients' stores. Rows r >= nv are neither loaded nor stored (they are
-        the next sequence's, another CTA's, or past the end): do's pad rows are zeros in the
-        kernel (never read, so no value there, NaN / Inf / -0 among them, reaches a gradient), the
-        pad rows' gradients are never stored, so the chain gathers neither do in nor a gradient
-        back. The arithmetic is the padded build's on a padded do with zero pad rows: each packed
-        row bit for bit its padded row's. The gate's partials stay per padded chunk. A kernel of
-        its own (wy_dqkg's `_Varlen`): the build without a table is unchanged, PTX and all
+        user's output gradient, v, beta and the raw gate on the packed row [1, T_raw, ...] as the
+        user gave them (beta after the op's sigmoid); the other inputs on the padded row [1, T,
+        ...] as without a table (every sequence starting on a chunk, its last chunk filled with
+        pad rows; the rstds too; T comes from v_new); the five outputs dq, dk, dv2, db, dg on the
+        packed row [1, T_raw, ...]. table int32 [T / 64, 2], per chunk c of the padded row
+        table[c, 0] the packed row of its first row and table[c, 1] its valid rows nv (1..64): its
+        row r < nv is packed row table[c, 0] + r, for the packed inputs' loads and for the
+        gradients' stores. Rows r >= nv are neither loaded nor stored (they are the next
+        sequence's, another CTA's, or past the end): do's, v's and beta's pad rows are zeros in
+        the kernel, the raw gate's the chain's pad gate (its load clamped to row nv - 1, then
+        replaced: `_warp.gate_pad_value`), so no value there, NaN / Inf / -0 among them, reaches a
+        gradient; the pad rows' gradients are never stored, so the chain gathers nothing in and
+        no gradient back. The arithmetic is the padded build's on pack_inputs' padded row: each
+        packed row bit for bit its padded row's. The gate's partials stay per padded chunk. A
+        kernel of its own (wy_dqkg's `_Varlen`): the build without a table is unchanged
     with a table and qk_padded=True (GVA with the L2 norm in the op: the chain's l2norm_bwd runs
         after this kernel on the padded row, on the padded normalized q / k and rstds): dq, dk on
         the padded row [1, T, HV, K] exactly as without the table (all 64 rows of every chunk,
@@ -84,9 +86,9 @@ the shared intra walk, so neither part can drift from its standalone kernel.
 Validated on CPU by the PTX interpreter (tests/kda_cute/test_bwd_chunk_compile.py) against
 float64 and against the two standalone kernels' PTX (the gate build: against the build without it
 followed by the gate's backward in fp32); the varlen build against the build without a table
-(tests/kda_cute/test_bwd_chunk_varlen.py: the varlen build on a packed do whose rows no chunk
-reads, between and around the sequences, are NaN / Inf, the padded build on the padded do with
-zero pad rows; bit for bit at every packed row, nothing stored outside them). The gate build is
+(tests/kda_cute/test_bwd_chunk_varlen.py: the varlen build on a packed do, v, beta and raw gate
+whose rows no chunk reads, between and around the sequences, are NaN / Inf, the padded build on
+pack_inputs' padded rows; bit for bit at every packed row, nothing stored outside them). The gate build is
 not timed on its own on the H200 yet (the figures above are the chain's flags, with it); the
 varlen build ran there through the chain (tests/gpu/test_varlen_gpu.py, 2026-12-04, do still on
 the padded row then: every gradient within 2x fla's error, packed sequences bitwise
@@ -118,16 +120,18 @@ def _rstd_reason(q, v, q_rstd, k_rstd) -> str | None:
             or _warp.layout_reason(("q_rstd", "k_rstd"), (q_rstd, k_rstd)))
 
 
-def _gate_reason(gk, g, A_log, dt_bias) -> str | None:
-    """The gate's backward inside (A_log given): g the raw gate [B, T, HV, K] (fp32 / bf16 / fp16,
-    contiguous, 16-byte aligned), A_log of HV elements, dt_bias (optional) of HV * K; or why not."""
+def _gate_reason(gk, g, A_log, dt_bias, T_raw=None) -> str | None:
+    """The gate's backward inside (A_log given): g the raw gate [B, T, HV, K] (varlen: the packed
+    row's [1, T_raw, HV, K]; fp32 / bf16 / fp16, contiguous, 16-byte aligned), A_log of HV
+    elements, dt_bias (optional) of HV * K; or why not."""
     if A_log is None:
         return None if g is None and dt_bias is None else "the gate's backward inside needs A_log"
     if g is None:
         return "the gate's backward inside needs the raw gate g"
     HV, K = gk.shape[2], gk.shape[3]
-    if tuple(g.shape) != tuple(gk.shape):
-        return f"g must be [B,T,HV,K] = {tuple(gk.shape)}; got {tuple(g.shape)}"
+    want = tuple(gk.shape) if T_raw is None else (1, T_raw, HV, K)
+    if tuple(g.shape) != want:
+        return f"g must be [B,T,HV,K] = {want}; got {tuple(g.shape)}"
     if g.dtype not in _warp.G_DTYPES:
         return f"g dtype {g.dtype} (fp32 / bf16 / fp16 expected)"
     if A_log.numel() != HV or not A_log.is_floating_point():
@@ -161,22 +165,27 @@ def _table_reason(v, table, T_raw, qk_padded=False, q_rstd=None) -> str | None:
     return _warp.table_reason(table, v.device, T // BT)
 
 
-def _do_reason(v, do, T_raw) -> str | None:
-    """The varlen build's do: on the packed row [1, T_raw, HV, V], in v's dtype, contiguous and
-    16-byte aligned on v's device (v's checks, the device's among them, are wy_dqkg's, which
-    without a table check do as v's [B, T, HV, V]); or why not. After _table_reason: T_raw is a
-    valid int here."""
-    want = (1, T_raw, *v.shape[2:])
-    if not isinstance(do, torch.Tensor) or tuple(do.shape) != want:
-        got = tuple(do.shape) if isinstance(do, torch.Tensor) else type(do).__name__
-        return f"with a chunk table do must be on the packed row [1,T_raw,HV,V] = {want}; got {got}"
-    if do.dtype != v.dtype:
-        return f"do dtype {do.dtype}, v's {v.dtype} (one io dtype)"
-    if not do.is_contiguous():
-        return "do is not contiguous"
-    if do.data_ptr() % 16:
-        return "do is not 16-byte aligned"
-    return None if do.device == v.device else f"do on {do.device}, the inputs on {v.device}"
+def _rows_reason(v_new, v, beta, do, T_raw) -> str | None:
+    """The varlen build's packed-row inputs: v and do [1, T_raw, HV, V] in v_new's dtype, beta
+    [1, T_raw, HV], contiguous and 16-byte aligned on v_new's device (their dtypes and layouts
+    otherwise are wy_dqkg's checks, their extents there the padded row's); or why not. After
+    _table_reason: T_raw is a valid int here."""
+    HV, V = v_new.shape[2], v_new.shape[3]
+    for name, x, want, form in (("v", v, (1, T_raw, HV, V), "[1,T_raw,HV,V]"),
+                                ("do", do, (1, T_raw, HV, V), "[1,T_raw,HV,V]"),
+                                ("beta", beta, (1, T_raw, HV), "[1,T_raw,HV]")):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            return f"with a chunk table {name} must be on the packed row {form} = {want}; got {got}"
+        if name != "beta" and x.dtype != v_new.dtype:
+            return f"{name} dtype {x.dtype}, v_new's {v_new.dtype} (one io dtype)"
+        if not x.is_contiguous():
+            return f"{name} is not contiguous"
+        if x.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+        if x.device != v_new.device:
+            return f"{name} on {x.device}, the inputs on {v_new.device}"
+    return None
 
 
 def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=False, q_rstd=None,
@@ -184,12 +193,12 @@ def is_supported(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=
                  T_raw=None, qk_padded=False) -> str | None:
     """None when `bwd_chunk` runs the CuTe kernel on these arguments, else the reason it would not."""
     vl = table is not None
-    # varlen: do is on the packed row, not v's: v_new (checked there too) takes its place in the
-    # padded row's checks, and do has its own after the table's (which validates T_raw)
-    return (_wy._hard_reason(q, k, v, v_new, gk, beta, Akk, h, v_new if vl else do, dh, dv)
-            or _rstd_reason(q, v, q_rstd, k_rstd) or _gate_reason(gk, g, A_log, dt_bias)
-            or _table_reason(v, table, T_raw, qk_padded, q_rstd)
-            or (_do_reason(v, do, T_raw) if vl else None))
+    # varlen: v, beta, do (and the raw gate) are on the packed row: v_new stands for the padded
+    # row's extents, and they have their own checks after the table's (which validates T_raw)
+    return (_wy._hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, packed=vl)
+            or _rstd_reason(q, v_new, q_rstd, k_rstd) or _table_reason(v_new, table, T_raw, qk_padded, q_rstd)
+            or _gate_reason(gk, g, A_log, dt_bias, T_raw if vl else None)
+            or (_rows_reason(v_new, v, beta, do, T_raw) if vl else None))
 
 
 def _config(q, v, beta, scale, emit_bf16, l2norm, g=None, A_log=None, dt_bias=None,
@@ -278,8 +287,9 @@ def _prepare(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, scale, emit_bf16=Fals
     on = A_log is not None
     vl = table is not None
     cfg = _config(q, v, beta, scale, emit_bf16, l2, g, A_log, dt_bias, lower_bound, vl, qk_padded)
-    outs = _outputs(q, v, emit_bf16, l2, g if on else None, T_raw if vl else None, qk_padded)
-    parts = _partials(v, q.shape[3], dt_bias) if on else None
+    # (v_new: the padded row's extents; varlen v is on the packed row)
+    outs = _outputs(q, v_new, emit_bf16, l2, g if on else None, T_raw if vl else None, qk_padded)
+    parts = _partials(v_new, q.shape[3], dt_bias) if on else None
     gate = (g, A_log, dt_bias, *parts) if on else None
     args = _kernel_args((q, k, v, v_new, gk, beta, Akk, h, do, dh, dv), outs, q_rstd, k_rstd, gate, table)
     return cfg, outs, parts, args

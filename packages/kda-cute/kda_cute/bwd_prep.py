@@ -35,6 +35,13 @@ the chain does the same) phase 0 reads it into the g tile by cp.async with q, k 
 no cumsum, no gk written (1.07 GB less at B16 T8192 H16 K128), the other outputs bitwise the same
 (the forward wrote that gk); gk is returned as given.
 
+Packed sequences (a chunk `table`, kda_chain.varlen's: the varlen build): v, beta and the raw gate
+on fla's packed row [1, T_raw, ...] as the user gave them (beta after the op's sigmoid), read
+through the table exactly as kda_cute_prep's varlen build reads them (a pad row's v and beta +0 in
+smem, its gate the chain's pad value); q, k, Akk (and a given gk) on the padded row [1, 64 NT, ...]
+where the forward wrote them; every output on the padded row, bitwise the plain build's on
+pack_inputs' padded row. So the forward writes no padded copy of v, g or beta.
+
 Constraints: kda_cute_prep's (K = 128, V % 64 == 0, T % 64 == 0, HV % H == 0, dtypes, contiguous
 and 16-byte aligned), and Akk [B, T, HV, 64] in q's dtype.
 
@@ -54,15 +61,41 @@ THREADS = _prep.THREADS
 _cache = CallCache("kda_cute_bwd_prep")
 
 
-def _hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size) -> str | None:
-    """kda_cute_prep's reasons, Akk's first (its shape, dtype and layout)."""
-    want = (*v.shape[:3], BT)
+def _hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size, table=None,
+                 lower_bound=None, gk=None) -> str | None:
+    """kda_cute_prep's reasons, Akk's first (its shape, dtype and layout); with a table, the varlen
+    build's (`_table_reason`) before them."""
+    if chunk_size != BT:
+        return f"chunk_size={chunk_size} (kernel built for {BT})"
+    if table is not None:
+        r = _table_reason(q, k, v, g, beta, Akk, table, gk, lower_bound, use_gate_in_kernel)
+        if r:
+            return r
+    want = (*q.shape[:2], v.shape[2], BT)
     if tuple(Akk.shape) != want:
         return f"Akk shape {tuple(Akk.shape)} != {want}"
     if Akk.dtype != q.dtype:
         return f"Akk dtype {Akk.dtype} != q's {q.dtype}"
-    return (_prep._hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size)
+    return (_prep.call_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, table)
             or _warp.layout_reason(("q", "Akk"), (q, Akk)))
+
+
+def _table_reason(q, k, v, g, beta, Akk, table, gk, lower_bound, use_gate_in_kernel) -> str | None:
+    """The varlen build's own reasons: the chunk table int32 [NT, 2] on the inputs' device; q, k,
+    Akk (and a given gk) on the padded row [1, 64 NT, ...]; v, beta and the raw gate on one packed
+    row [1, T_raw, ...]; not an fp16 g in the lower_bound form."""
+    r = _warp.table_reason(table, q.device)
+    if r:
+        return r
+    T = BT * table.shape[0]
+    if q.dim() != 4 or tuple(q.shape[:2]) != (1, T):
+        return f"varlen needs q on the padded row [1, {T}, H, K]; got {tuple(q.shape)}"
+    if any(x.dim() < 2 or x.shape[:2] != q.shape[:2] for x in (k, Akk) + (() if gk is None else (gk,))):
+        return f"q, k, Akk{'' if gk is None else ', gk'} must share the padded row [1, {T}, ...]"
+    raw = (v, beta) if gk is not None else (v, g, beta)
+    if any(x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != v.shape[1] for x in raw):
+        return "v, g, beta must share one packed row [1, T_raw, ...]"
+    return _prep.lower_bound_fp16_reason(g, lower_bound, use_gate_in_kernel)
 
 
 def _gk_reason(g, gk, use_gate_in_kernel) -> str | None:
@@ -85,63 +118,75 @@ def _g_or_gk(g, gk):
 
 
 def is_supported(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel,
-                 chunk_size=BT, gk=None) -> str | None:
+                 chunk_size=BT, gk=None, table=None) -> str | None:
     """None when `bwd_prep` runs the CuTe kernel on these arguments, else the reason it would not.
-    g may be None when gk is given (`_g_or_gk`)."""
+    g may be None when gk is given (`_g_or_gk`). `table`: the varlen build's chunk table (module
+    docstring); its contents are trusted, not read."""
     if g is None and gk is None:
         return "g is None and no gk is given"
     g = _g_or_gk(g, gk)
-    return (_hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size)
+    return (_hard_reason(q, k, v, g, beta, A_log, dt_bias, Akk, use_gate_in_kernel, chunk_size, table,
+                         lower_bound, gk)
             or _gk_reason(g, gk, use_gate_in_kernel))
 
 
-def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, gk_in=False) -> _prep.PrepConfig:
+def _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, gk_in=False,
+            varlen=False) -> _prep.PrepConfig:
     # the scale is Aqk's only: not compiled in
     return _prep._config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, 1.0, True, recompute=True,
-                         gk_in=gk_in)
+                         gk_in=gk_in, varlen=varlen)
 
 
 def _outputs(q, v, gk=None):
-    """gk (fp32; the given one as it is), then w, u, qg, kg in q's dtype: fresh."""
-    B, T, HV, V = v.shape
+    """gk (fp32; the given one as it is), then w, u, qg, kg in q's dtype, on q's rows (varlen: the
+    padded row): fresh."""
+    B, T = q.shape[:2]
+    HV, V = v.shape[2:]
     K = q.shape[3]
     return (alloc((B, T, HV, K), torch.float32, q) if gk is None else gk, alloc((B, T, HV, K), q.dtype, q),
             alloc((B, T, HV, V), q.dtype, q), alloc((B, T, HV, K), q.dtype, q),
             alloc((B, T, HV, K), q.dtype, q))
 
 
-def _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs):
+def _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs, table=None):
     """kda_cute_prep's tensors (`_prep._kernel_args`): Akk in its Akk slot (read) and in the Aqk
-    slot (a stand-in of the right shape, never written)."""
+    slot (a stand-in of the right shape, never written); the table last (varlen)."""
     gk, w, u, qg, kg = outs
-    return _prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, (gk, w, u, qg, kg, Akk, Akk))
+    return _prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, (gk, w, u, qg, kg, Akk, Akk), table)
+
+
+def _plan(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, gk, table):
+    """(config, kernel arguments, outputs) of one call."""
+    g = _g_or_gk(g, gk)
+    outs = _outputs(q, v, gk)
+    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, gk is not None, table is not None)
+    return cfg, _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs, table), outs
 
 
 def compile_for(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, keep_ptx=False,
-                gk=None):
+                gk=None, table=None):
     """Trace and compile for these arguments without launching (the CPU compile test uses it)."""
-    g = _g_or_gk(g, gk)
-    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, gk is not None)
-    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, _outputs(q, v, gk))
+    cfg, args, _ = _plan(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, gk, table)
     return _warp.compile_only(lambda views, stream, opts: _prep._build(views, stream, cfg, opts), args,
                               keep_ptx)
 
 
-def bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT, gk=None):
+def bwd_prep(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT, gk=None,
+             table=None):
     """fla's gate cumsum + recompute_w_u (chunk 64) in one kernel -> (gk, w, u, qg, kg), fresh
-    outputs (gk: the given one, where given). Raises ValueError on a call the kernel cannot compute."""
+    outputs (gk: the given one, where given); with a chunk `table`, v, g, beta on the packed row
+    (module docstring). Raises ValueError on a call the kernel cannot compute."""
     reason = is_supported(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size,
-                          gk)
+                          gk, table)
     if reason is not None:
         raise ValueError(f"kda_cute.bwd_prep.bwd_prep: unsupported call: {reason}")
-    return launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size, gk)
+    return launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size, gk,
+                  table)
 
 
-def launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT, gk=None):
+def launch(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, chunk_size=BT, gk=None,
+           table=None):
     """`bwd_prep` without its checks: for a caller whose `is_supported` just said None."""
-    g = _g_or_gk(g, gk)
-    outs = _outputs(q, v, gk)
-    cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, gk is not None)
-    args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs)
+    cfg, args, outs = _plan(q, k, v, g, beta, A_log, dt_bias, Akk, lower_bound, use_gate_in_kernel, gk, table)
     _warp.launch(_cache, cfg, args, lambda views, stream, opts: _prep._build(views, stream, cfg, opts))
     return outs

@@ -22,7 +22,8 @@ gk_s) per key column, gl = gk at the chunk's last row:
     kg = k exp2(gl - g)                       qg = q exp2(g)   (only with want_qg)
 
 Packed sequences (`varlen`, compiled in; a chunk table given): q, k, v, g, beta are fla's packed
-row [1, T_raw, ...] (cu_seqlens), read in place, and every output is on the chain's padded row
+row [1, T_raw, ...] (cu_seqlens), read in place (kda_cute_bwd_prep's build: v, g, beta; its q, k are
+the forward's on the padded row), and every output is on the chain's padded row
 [1, T_pad = 64 NT, ...] (kda_chain.varlen: each sequence starts on a chunk boundary, its last chunk
 filled with no-op pad rows), bitwise what the plain build computes on pack_inputs' padded row.
 table int32 [NT, 2]: chunk c (padded rows 64c ..) starts at raw row table[c, 0] and has nv =
@@ -40,13 +41,11 @@ rest pad rows. Grid (NT, HV, 1). The pad rows, and OOB safety:
     dtype, -inf for fp16 in the softplus form), so the step gate is the padded path's to the bit
     (0, or -0 in the gate forms) and gk stays flat after the last valid row.
   - beta: a pad row's is 0 (not loaded).
-The extra outputs, the inputs' padded copies the backward reads (it runs on the padded row
-unchanged), bitwise pack_inputs' tensors (with the sigmoid of beta before this stage): v_p [1,
-T_pad, HV, V] from the V ring as each tile lands (pad rows 0); beta_p [1, T_pad, HV] (0); with the
-gate in the op g_p [1, T_pad, HV, K] in g's dtype (the pad gate; none without it: the backward then
-reads gk); q_p, k_p [1, T_pad, H, K]: with l2norm the normalized q, k themselves, else copies (pad
-rows 0) from smem beside kg, by the GVA group's first CTA. An fp16 g in the lower_bound form is
-refused (its pad overflows fp16; the chain gives such g in fp32). The table's contents are trusted.
+The backward's kernels read v, the raw gate and beta on the raw row themselves (kda_cute_bwd_prep,
+kda_cute_bwd_chunk), so the only extra outputs are q, k on the padded row, q_p, k_p [1, T_pad, H, K]:
+with l2norm the normalized q, k themselves, else copies (pad rows 0) from smem beside kg, by the GVA
+group's first CTA, bitwise pack_inputs' q, k. An fp16 g in the lower_bound form is refused (its pad
+overflows fp16; the chain gives such g in fp32). The table's contents are trusted.
 
 CTA decomposition: one CTA per (chunk, hv, b), grid (T / 64, HV, B), 256 threads (8 warps), two
 CTAs per SM (~105 KB of smem each: one CTA's load and solve latencies hide under the other's
@@ -93,11 +92,11 @@ Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, want_qg):
     total   6.99 GB: 1.75 ms at 4.0 TB/s
     l2norm  + write q, k normalized 1.074 GB, rstds 0.017: 8.08 GB, 2.02 ms (it replaces two
             kda_cute_l2norm_fwd launches: read q, k 1.074 + write 1.091 GB; one read of q, k saved)
-    varlen  + write v_p 1.074 GB, g_p 0.537 (gate in the op), beta_p 0.004: + 1.615 GB with l2norm
-            (q_p, k_p are its outputs), + 2.69 without (q_p, k_p 1.074 more); the reads unchanged
-            (pad rows: none). It replaces the chain's pack_inputs gathers (read and write every
-            input: 5.38 GB), so the copies cost only their writes; the pad rows' outputs (< 64 per
-            sequence) as on the padded row.
+    varlen  nothing more with l2norm (q_p, k_p are its outputs), + write q_p, k_p 1.074 GB without;
+            the reads unchanged (pad rows: none). It replaces the chain's pack_inputs gathers (read
+            and write every input: 5.38 GB); the pad rows' outputs (< 64 per sequence) as on the
+            padded row. (Until 2026-12-06 it also wrote v, the raw gate and beta on the padded row
+            for the backward: + 1.615 GB, +0.73 ms at the reference shape on the H100.)
 
 Constraints: K = 128; V % 64 == 0; T % 64 == 0 (a ragged last chunk is refused; varlen: the
 padded row's T, the raw T any); HV % H == 0; q, k, v one dtype (bf16 or fp16); g fp32 / bf16 /
@@ -106,8 +105,9 @@ table int32 [NT, 2], no fp16 g in the lower_bound form; with the gate in the ker
 elements (dt_bias optional, HV * K). `scale`, `want_qg`, `l2norm`, `varlen`, the gate form and
 lower_bound are part of the compile key. Registers (ptxas 13.0, -arch=sm_90a, V256): 108 without
 l2norm, 116 with; varlen 122 and 125 (bf16 gate in the op; all <= 128: two CTAs per SM stay), no
-spills; smem unchanged (the normalization is in place). The plain builds' PTX is the same with and
-without the varlen code (only the four trailing stand-in parameters are new).
+spills (varlen: measured with the padded copies of v, g, beta, which it no longer writes); smem
+unchanged (the normalization is in place). The plain builds' PTX is the same with and without the
+varlen code (only the trailing stand-in parameter is new).
 
 Today (H200, 2026-12-02, bench/check_stage.py --stage fwd_prep): 3.559 ms vs fla's gate cumsum +
 fwd_intra 5.405 at the reference shape (1.52x; 2.0x over the byte floor above), 3.162 vs 5.058 at
@@ -178,10 +178,14 @@ class KdaPrep:
         self.gate = gate
         self.has_bias = has_bias
         self.lower_bound = float(lower_bound)
-        # packed sequences (fwd only): the raw inputs read through the chunk table, the outputs and
-        # the inputs' padded copies written on the padded row; g_fill: a pad row's raw gate (exact in
-        # g's dtype: the chain's pad, so its step gate is the padded path's, bitwise)
-        self.varlen = varlen and not recompute
+        # packed sequences: v, g, beta (and in the forward q, k) read on the raw row through the
+        # chunk table, every output on the padded row; g_fill: a pad row's raw gate (exact in g's
+        # dtype: the chain's pad, so its step gate is the padded path's, bitwise)
+        self.varlen = varlen
+        # the forward's q, k on the raw row too (the recompute reads them on the padded row: the
+        # forward's normalized q, k, or its copies of them, `copy_qk`)
+        self.qk_raw = varlen and not recompute
+        self.copy_qk = self.qk_raw and not self.l2norm  # the forward's padded copies of q, k
         self.g_fill = float(g_fill)
 
 
@@ -258,9 +262,6 @@ def _build_kernel_class():
             mQr: cute.Tensor,  # with l2norm: [B, T, H] f32, q's rstd (else a stand-in, unread)
             mKr: cute.Tensor,  # with l2norm: [B, T, H] f32, k's rstd
             mTable: cute.Tensor,  # varlen: [NT, 2] int32, the chunk table (else a stand-in, unread)
-            mVp: cute.Tensor,  # varlen: [1, T, HV, V] io, v's padded copy (else a stand-in, unwritten)
-            mGp: cute.Tensor,  # varlen with a gate in the kernel: [1, T, HV, K], g's padded copy (else g)
-            mBetap: cute.Tensor,  # varlen: [1, T, HV], beta's padded copy (else beta, unwritten)
             stream,
         ):
             B = cute.size(mG, mode=[0])
@@ -269,7 +270,7 @@ def _build_kernel_class():
                 NT = cute.size(mTable, mode=[0])
             HV = cute.size(mG, mode=[2])
             args = (mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk,
-                    mQn, mKn, mQr, mKr, mTable, mVp, mGp, mBetap)
+                    mQn, mKn, mQr, mKr, mTable)
             if cutlass.const_expr(self.recompute):
                 kernel = self.kda_cute_bwd_prep(*args)
             else:
@@ -393,7 +394,7 @@ def _build_kernel_class():
             sL[rr, ss] = ((ak[0] + ak[1]) + (ak[2] + ak[3])) * sBeta[rr]
 
         @cute.jit
-        def _gate_rows(self, mG, mAlog, mBias, sTot4, run, b, hv, row0, t, raw0, nv, mGp):
+        def _gate_rows(self, mG, mAlog, mBias, sTot4, run, b, hv, row0, t, raw0, nv):
             """Columns 4 (t % 32) .. + 3 and rows RG (t / 32) .. + RG - 1 of the chunk (RG = 8: a warp
             per row group, a lane per 4 columns, so each of the thread's row loads is one 8-byte
             (bf16 / fp16) or 16-byte (fp32) vector and a warp's load is one whole row): the step
@@ -403,8 +404,7 @@ def _build_kernel_class():
             (groups 0 .. NRG - 2: the last one's is never read). varlen: row r reads raw row raw0 +
             min(r, nv - 1) (always a row of the chunk's own sequence: no load leaves the row); a pad row
             r >= nv then takes the chain's pad gate `g_fill` in g's dtype (so its step gate is the
-            padded path's bitwise: 0, or -0 in the gate forms) and, with a gate in the kernel, the rows
-            go out to g's padded copy mGp (the padded row)."""
+            padded path's bitwise: 0, or -0 in the gate forms)."""
             cg = t % CG
             rg = t // CG
             rowv = cute.make_layout((self.K // 4, 4), stride=(4, 1))
@@ -432,8 +432,6 @@ def _build_kernel_class():
                     if r >= nv:  # warp-uniform
                         fr.fill(self.g_fill)
                     raw[i] = fr.load()
-                    if cutlass.const_expr(self.gate != "none"):
-                        cute.make_tensor(mGp[b, row0 + r, hv, None].iterator, rowv)[cg, None].store(raw[i])
             for x in cutlass.range_constexpr(4):
                 acc = f32(0.0)
                 for i in cutlass.range_constexpr(RG):
@@ -558,39 +556,33 @@ def _build_kernel_class():
                           mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor, mW: cute.Tensor,
                           mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
                           mAkk: cute.Tensor, mGk: cute.Tensor, mQn: cute.Tensor, mKn: cute.Tensor,
-                          mQr: cute.Tensor, mKr: cute.Tensor, mTable: cute.Tensor, mVp: cute.Tensor,
-                          mGp: cute.Tensor, mBetap: cute.Tensor):
+                          mQr: cute.Tensor, mKr: cute.Tensor, mTable: cute.Tensor):
             self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn, mQr,
-                       mKr, mTable, mVp, mGp, mBetap)
+                       mKr, mTable)
 
         @cute.kernel
         def kda_cute_bwd_prep(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                               mBeta: cute.Tensor, mAlog: cute.Tensor, mBias: cute.Tensor, mW: cute.Tensor,
                               mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
                               mAkk: cute.Tensor, mGk: cute.Tensor, mQn: cute.Tensor, mKn: cute.Tensor,
-                              mQr: cute.Tensor, mKr: cute.Tensor, mTable: cute.Tensor, mVp: cute.Tensor,
-                              mGp: cute.Tensor, mBetap: cute.Tensor):
+                              mQr: cute.Tensor, mKr: cute.Tensor, mTable: cute.Tensor):
             """The backward's recompute (kda_cute.bwd_prep): phases 0, 3 (without the solve's
-            outputs) and 4 with Akk read into the A operand's tile (no L2 norm, no varlen: the eight
-            last tensors are stand-ins, untouched)."""
+            outputs) and 4 with Akk read into the A operand's tile (no L2 norm: the rstd and
+            normalized q, k slots are stand-ins, untouched; varlen: v, g, beta on the raw row)."""
             self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn, mQr,
-                       mKr, mTable, mVp, mGp, mBetap)
+                       mKr, mTable)
 
         @cute.jit
         def _body(self, mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn,
-                  mQr, mKr, mTable, mVp, mGp, mBetap):
+                  mQr, mKr, mTable):
             K = self.K
             NV = self.NV
             io = self.io_dtype
             mQ, mK, mV, mW, mU, mQg, mKg, mAqk, mAkk = (
                 _warp.gmem(t) for t in (mQ, mK, mV, mW, mU, mQg, mKg, mAqk, mAkk))
             mG, mGk = _warp.gmem(mG), _warp.gmem(mGk)  # the gate's vector rows (16-byte aligned)
-            if cutlass.const_expr(self.l2norm or self.varlen):  # (varlen without l2norm: q, k's copies)
+            if cutlass.const_expr(self.l2norm or self.copy_qk):
                 mQn, mKn = _warp.gmem(mQn), _warp.gmem(mKn)
-            if cutlass.const_expr(self.varlen):
-                mVp = _warp.gmem(mVp)
-                if cutlass.const_expr(self.gate != "none"):
-                    mGp = _warp.gmem(mGp)
             tidx, _, _ = cute.arch.thread_idx()
             t_idx, hv, b = cute.arch.block_idx()
             h = hv // self.gsize
@@ -615,8 +607,9 @@ def _build_kernel_class():
             gAkk = cute.local_tile(mAkk[b, None, hv, None], (BT, BT), (t_idx, 0))
             if cutlass.const_expr(self.varlen):  # the raw rows raw0 .. (those >= nv never read)
                 at = (raw0, 0)
-                gQ = cute.local_tile(cute.domain_offset(at, mQ[b, None, h, None]), (BT, K), (0, 0))
-                gK = cute.local_tile(cute.domain_offset(at, mK[b, None, h, None]), (BT, K), (0, 0))
+                if cutlass.const_expr(self.qk_raw):
+                    gQ = cute.local_tile(cute.domain_offset(at, mQ[b, None, h, None]), (BT, K), (0, 0))
+                    gK = cute.local_tile(cute.domain_offset(at, mK[b, None, h, None]), (BT, K), (0, 0))
                 gV = cute.local_tile(cute.domain_offset(at, mV[b, None, hv, None]), (BT, BV), (0, None))
 
             # ---------------- shared memory (104 KB: two CTAs per SM). Four buffers take a
@@ -668,8 +661,18 @@ def _build_kernel_class():
             tio = cp_io.get_slice(tidx)
             tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
             if cutlass.const_expr(self.varlen):
-                cQK = tio.partition_S(cute.make_identity_tensor((BT, K)))
                 cVio = tio.partition_S(cute.make_identity_tensor((BT, BV)))
+
+            def load_v(iv, st):  # V tile iv into ring stage st (varlen: its pad rows +0, never loaded)
+                if cutlass.const_expr(self.varlen):
+                    _warp.rows_async(cp_io, tVg[None, None, None, iv], tVs[None, None, None, st], cVio, nv)
+                else:
+                    cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, st])
+                cute.arch.cp_async_commit_group()
+                groups.append(iv)
+
+            if cutlass.const_expr(self.qk_raw):
+                cQK = tio.partition_S(cute.make_identity_tensor((BT, K)))
                 _warp.rows_async(cp_io, tio.partition_S(gQ), tio.partition_D(sQ), cQK, nv)
                 _warp.rows_async(cp_io, tio.partition_S(gK), tio.partition_D(sK), cQK, nv)
             else:
@@ -685,21 +688,18 @@ def _build_kernel_class():
             groups = []  # the V ring's cp.async groups in issue order (counted at trace time)
             if cutlass.const_expr(self.recompute):
                 for iv in cutlass.range_constexpr(min(STAGES, NV)):
-                    cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
-                    cute.arch.cp_async_commit_group()
-                    groups.append(iv)
-            if cutlass.const_expr(self.varlen):  # pad rows: beta = 0; beta's padded copy out
+                    load_v(iv, iv)
+            if cutlass.const_expr(self.varlen):  # pad rows: beta = 0
                 if tidx < BT:
                     bt = self.beta_dtype(0.0)
                     if tidx < nv:
                         bt = mBeta[b, raw0 + tidx, hv]
                     sBeta[tidx] = f32(bt)
-                    mBetap[b, row0 + tidx, hv] = bt
             elif tidx < BT:
                 sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
             if cutlass.const_expr(not self.gk_in):
                 grun = cute.make_rmem_tensor(cute.make_layout((RG, 4), stride=(4, 1)), f32)
-                self._gate_rows(mG, mAlog, mBias, sTot4, grun, b, hv, row0, tidx, raw0, nv, mGp)
+                self._gate_rows(mG, mAlog, mBias, sTot4, grun, b, hv, row0, tidx, raw0, nv)
             cute.arch.cp_async_wait_group(len(groups))  # q, k (and Akk, gk); not the V tiles
             cute.arch.sync_threads()
             if cutlass.const_expr(not self.gk_in):
@@ -723,7 +723,7 @@ def _build_kernel_class():
             cK = t8.partition_D(cute.make_identity_tensor((BT, K)))
             tKg = t8.partition_D(gKg)
             tQg = t8.partition_D(gQg)
-            copy_qk = self.varlen and not self.l2norm  # q, k's padded copies (with l2norm: q, k normalized)
+            copy_qk = self.copy_qk  # q, k's padded copies (with l2norm: q, k normalized)
             if cutlass.const_expr(copy_qk):
                 writer = hv % self.gsize == 0  # one CTA of a GVA group, as the normalized q, k
                 tQp = t8.partition_D(cute.local_tile(mQn[b, None, h, None], (BT, K), (t_idx, 0)))
@@ -828,13 +828,7 @@ def _build_kernel_class():
             cute.arch.sync_threads()  # g is dead: its storage takes the V ring
             if cutlass.const_expr(not self.recompute):
                 for iv in cutlass.range_constexpr(min(STAGES, NV)):
-                    if cutlass.const_expr(self.varlen):
-                        _warp.rows_async(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv], cVio,
-                                         nv)
-                    else:
-                        cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, iv])
-                    cute.arch.cp_async_commit_group()
-                    groups.append(iv)
+                    load_v(iv, iv)
 
             # ---------------- phase 4: w = X KE, u = X v per 64-column tile (bf16 mma.sync)
             tiled_mma = cute.make_tiled_mma(
@@ -856,8 +850,6 @@ def _build_kernel_class():
             vBT = cpBt.retile(rBT)
             cV = t8.partition_D(cute.make_identity_tensor((BT, BV)))
             tVb = t8.partition_D(sV)  # (8 values, m, 1, stage)
-            if cutlass.const_expr(self.varlen):  # v's padded copy, from the ring (its pad rows: zeros)
-                tVp = t8.partition_D(cute.local_tile(mVp[b, None, hv, None], (BT, BV), (t_idx, None)))
 
             for c in cutlass.range_constexpr(K // BV):
                 sKEc = cute.local_tile(sKE, (BT, BV), (0, c))
@@ -871,8 +863,6 @@ def _build_kernel_class():
                 for m in cutlass.range_constexpr(cute.size(cV, mode=[1])):
                     rv = cute.make_fragment_like(tVb[None, m, 0, st])
                     cute.copy(st8, tVb[None, m, 0, st], rv)
-                    if cutlass.const_expr(self.varlen):
-                        cute.copy(st8, rv, tVp[None, m, 0, iv])
                     vb = rv.load().to(f32)
                     rv.store((vb * sBeta[cV[0, m, 0][0]]).to(io))
                     cute.copy(st8, rv, tVb[None, m, 0, st])
@@ -881,13 +871,7 @@ def _build_kernel_class():
                                cute.composition(sV[None, None, st], tr64), st_c16, tsc16, gU[None, None, iv])
                 if cutlass.const_expr(iv + STAGES < NV):
                     cute.arch.sync_threads()  # every warp is done reading stage st
-                    if cutlass.const_expr(self.varlen):
-                        _warp.rows_async(cp_io, tVg[None, None, None, iv + STAGES], tVs[None, None, None, st],
-                                         cVio, nv)
-                    else:
-                        cute.copy(cp_io, tVg[None, None, None, iv + STAGES], tVs[None, None, None, st])
-                    cute.arch.cp_async_commit_group()
-                    groups.append(iv + STAGES)
+                    load_v(iv + STAGES, st)
 
         @cute.jit
         def _tile_mma(self, tiled_mma, thr, tcAn, tcBt, cpBt, pAb, vAb, rAb, vBT, rBT, sBT, st_c16,
@@ -914,20 +898,6 @@ _kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL impo
 
 # ----------------------------------------------------------------------------------- host side
 _NAMES = ("q", "k", "v", "g", "beta")
-GATE_PAD = -1e30  # a pad row's raw gate (the chain's kda_chain.varlen.GATE_PAD): its step gate is 0
-
-
-def gate_pad_value(g_dtype: torch.dtype, use_gate_in_kernel: bool) -> float:
-    """A pad row's raw gate in g's dtype, as the chain's pack_inputs fills it (varlen): 0 for a given
-    log gate; with the gate in the op -1e30 as g's dtype rounds it (fp32 / bf16), -inf for fp16
-    (the softplus form: -1e30 overflows fp16; the lower_bound form is refused)."""
-    if not use_gate_in_kernel:
-        return 0.0
-    if g_dtype == torch.float16:
-        return float("-inf")
-    return float(torch.tensor(GATE_PAD, dtype=g_dtype))
-
-
 def _table_reason(q, k, v, g, beta, table, lower_bound, use_gate_in_kernel) -> str | None:
     """varlen's own reasons: the chunk table int32 [NT, 2], contiguous, on the inputs' device; one
     packed row (B = 1) with one raw T for the five inputs; not an fp16 g in the lower_bound form."""
@@ -938,9 +908,7 @@ def _table_reason(q, k, v, g, beta, table, lower_bound, use_gate_in_kernel) -> s
         return f"varlen needs the packed row q [1, T, H, K]; got {tuple(q.shape)}"
     if any(x.dim() < 2 or x.shape[:2] != q.shape[:2] for x in (k, v, g, beta)):
         return "q, k, v, g, beta must share one packed row [1, T, ...]"
-    if use_gate_in_kernel and lower_bound is not None and g.dtype == torch.float16:
-        return "varlen with an fp16 g in the lower_bound form (its pad gate overflows fp16: give g in fp32)"
-    return None
+    return lower_bound_fp16_reason(g, lower_bound, use_gate_in_kernel)
 
 
 def _padded_shape(x, T: int):
@@ -955,11 +923,19 @@ def _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_siz
     table (varlen), the extents are checked on the padded row (T = 64 NT), the rest on the raw one."""
     if chunk_size != BT:
         return f"chunk_size={chunk_size} (kernel built for {BT})"
-    ext = (q, k, v, g, beta)
     if table is not None:
         r = _table_reason(q, k, v, g, beta, table, lower_bound, use_gate_in_kernel)
         if r:
             return r
+    return call_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, table)
+
+
+def call_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, table=None) -> str | None:
+    """The checks after the chunk size and a table's own (kda_cute_bwd_prep shares them): extents
+    (with a table, every tensor's on the padded row T = 64 NT), dtypes, the gate's parameters,
+    layouts (the table's too)."""
+    ext = (q, k, v, g, beta)
+    if table is not None:
         ext = tuple(_padded_shape(x, BT * table.shape[0]) for x in ext)
     r = (_warp.extent_reason(*ext, SUPPORTED_K)
          or _warp.dtype_reason(q, (("k", k), ("v", v)), g, beta, _warp.G_DTYPES))
@@ -973,6 +949,13 @@ def _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_siz
     if table is not None:
         return _warp.layout_reason((*_NAMES, "table"), (q, k, v, g, beta, table))
     return _warp.layout_reason(_NAMES, (q, k, v, g, beta))
+
+
+def lower_bound_fp16_reason(g, lower_bound, use_gate_in_kernel) -> str | None:
+    """varlen's refusal of an fp16 g in the lower_bound form (its pad gate overflows fp16)."""
+    if use_gate_in_kernel and lower_bound is not None and g.dtype == torch.float16:
+        return "varlen with an fp16 g in the lower_bound form (its pad gate overflows fp16: give g in fp32)"
+    return None
 
 
 def is_supported(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, chunk_size=BT,
@@ -1004,7 +987,7 @@ class PrepConfig:
     recompute: bool = False  # kda_cute_bwd_prep (kda_cute.bwd_prep)
     l2norm: bool = False  # q, k given raw: L2-normalized in the kernel, written out with their rstds (fwd)
     gk_in: bool = False  # bwd_prep: the forward's gk read (no gate in the op), not recomputed
-    varlen: bool = False  # fwd: the raw packed row read through the chunk table, padded copies out
+    varlen: bool = False  # the raw packed row read through the chunk table (fwd: q, k's padded copies out)
 
 
 _new_config = interned(PrepConfig)
@@ -1043,41 +1026,33 @@ def _outputs(q, v, want_qg, l2norm=False, T=None):
     )
 
 
-def _copies(q, v, g, beta, T, use_gate_in_kernel, outs, l2norm):
-    """varlen's padded copies of the inputs [1, T, ...] (T the padded row's): q_p, k_p (with l2norm
-    the normalized outputs themselves), v_p, g_p (None without the gate in the op), beta_p: fresh."""
+def _copies(q, T, outs, l2norm):
+    """varlen's padded copies of q, k [1, T, H, K] (T the padded row's), what the backward reads
+    (v, g, beta it reads on the raw row): with l2norm the normalized outputs themselves, else
+    fresh copies."""
     H, K = q.shape[2], q.shape[3]
-    HV, V = v.shape[2], v.shape[3]
-    qk = tuple(outs[7:9]) if l2norm else (alloc((1, T, H, K), q.dtype, q), alloc((1, T, H, K), q.dtype, q))
-    gp = alloc((1, T, HV, K), g.dtype, q) if use_gate_in_kernel else None
-    return (*qk, alloc((1, T, HV, V), v.dtype, q), gp, alloc((1, T, HV), beta.dtype, q))
+    if l2norm:
+        return tuple(outs[7:9])
+    return alloc((1, T, H, K), q.dtype, q), alloc((1, T, H, K), q.dtype, q)
 
 
 def _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg: PrepConfig, outs, table=None, copies=None):
-    """The kernel's twenty-two tensors. A_log [1, HV] and dt_bias [HV, K] in fp32 (a view when they
+    """The kernel's nineteen tensors. A_log [1, HV] and dt_bias [HV, K] in fp32 (a view when they
     are already); where the kernel does not read them, gk's storage stands in (2-D, fp32). Without
     want_qg kg's storage stands in for qg (never written). `outs`: `_outputs`' (seven, or eleven
-    with l2norm); without the L2 norm's four, q and k stand in for the normalized q, k (varlen:
-    q_p, k_p go there) and gk's storage for the rstds (never touched). The last four: the table,
-    v_p, g_p, beta_p (varlen: `table` and `copies`, `_copies`' five; g stands in for a g_p not
-    made); else gk's storage, u, g and beta stand in (never touched)."""
+    with l2norm); without the L2 norm's four, q and k stand in for the normalized q, k (the
+    forward's varlen build: `copies`, q_p and k_p, go there) and gk's storage for the rstds (never
+    touched). The last: the chunk table (varlen), else gk's storage (never touched)."""
     gk, w, u, qg, kg, aqk, akk = outs[:7]
     stand_in = gk.view(-1, gk.shape[-1])
     a, bias = _warp.gate_views(A_log if cfg.gate != "none" else None, dt_bias if cfg.has_bias else None,
                                cfg.HV, cfg.K)
     a = stand_in if a is None else a
     bias = stand_in if bias is None else bias
-    qk = (q, k) if copies is None else copies[:2]
+    qk = (q, k) if copies is None else copies
     l2 = tuple(outs[7:]) if cfg.l2norm else (*qk, stand_in, stand_in)
-    if table is None:
-        var = (stand_in, u, g, beta)
-    else:
-        _, _, vp, gp, bp = copies
-        var = (table, vp, g if gp is None else gp, bp)
-    return (q, k, v, g, beta, a, bias, w, u, kg if qg is None else qg, kg, aqk, akk, gk, *l2, *var)
-
-
-_G_TORCH = {name: dt for dt, name in DT.items()}  # "bf16" -> torch.bfloat16, ..
+    return (q, k, v, g, beta, a, bias, w, u, kg if qg is None else qg, kg, aqk, akk, gk, *l2,
+            stand_in if table is None else table)
 
 
 def _build(views, stream, cfg: PrepConfig, options: str = ""):
@@ -1086,17 +1061,17 @@ def _build(views, stream, cfg: PrepConfig, options: str = ""):
     kern = _kernel_class()(
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
         cfg.want_qg, cfg.gate, cfg.has_bias, cfg.lower_bound, cfg.recompute, cfg.l2norm, cfg.gk_in,
-        cfg.varlen, gate_pad_value(_G_TORCH[cfg.g_dtype], cfg.gate != "none"),
+        cfg.varlen, _warp.gate_pad_value(cfg.g_dtype, cfg.gate != "none"),
     )
     return cute.compile(kern, *views, stream, options=options)
 
 
 def _plan(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm, table):
     """(config, kernel arguments, result) of one call: fresh outputs, and with a table the padded
-    copies after them."""
+    copies of q, k after them."""
     T = None if table is None else BT * table.shape[0]
     outs = _outputs(q, v, want_qg, l2norm, T)
-    copies = None if table is None else _copies(q, v, g, beta, T, use_gate_in_kernel, outs, l2norm)
+    copies = None if table is None else _copies(q, T, outs, l2norm)
     cfg = _config(q, v, g, beta, dt_bias, lower_bound, use_gate_in_kernel, scale, want_qg, l2norm,
                   varlen=table is not None)
     args = _kernel_args(q, k, v, g, beta, A_log, dt_bias, cfg, outs, table, copies)
@@ -1117,8 +1092,8 @@ def fwd_prep(q, k, v, g, beta, A_log, dt_bias, lower_bound, use_gate_in_kernel, 
     None, kg, Aqk, Akk), fresh outputs; with l2norm, q and k are the raw ones: fla's l2norm_fwd of
     both first, in the kernel, and its outputs follow (q, k normalized, q_rstd, k_rstd). With a
     chunk `table` (varlen: q, k, v, g, beta the packed row [1, T_raw, ...]) every output is on the
-    padded row [1, 64 NT, ...] and the inputs' padded copies follow (q_p, k_p, v_p, g_p or None,
-    beta_p; module docstring). Raises ValueError on a call the kernel cannot compute."""
+    padded row [1, 64 NT, ...] and q, k's padded copies follow (q_p, k_p: with l2norm the normalized
+    q, k themselves; module docstring). Raises ValueError on a call the kernel cannot compute."""
     reason = _hard_reason(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, chunk_size, table,
                           lower_bound)
     if reason is not None:

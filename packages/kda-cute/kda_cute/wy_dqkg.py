@@ -52,10 +52,12 @@ of its 17 KB). The fused class (`_Fused`) takes five more tensors (the gate's); 
 kernel's PTX is unchanged. varlen=True (`_Varlen`, a 24th tensor: the chunk table) stores the
 five outputs at the packed row's rows (kda_cute.bwd_chunk's docstring): every global store site
 of dq, dk, dv2, db, dg (the dv2 staging tile's in the V walk, the walk's column stores and db, the
-row passes') takes the table's base row and the predicate r < nv; so does do's load in the V
-ring (do is the packed row's [1, T_raw, HV, V]: `_warp.rows_async`, a pad row's pieces zeros in smem,
-never loaded); the other inputs and the row passes' reads (rstds, raw gate) stay on the padded
-row (ptxas 13.0: 128 registers, 16-80 bytes spilled across the builds). qk_padded=True (with
+row passes') takes the table's base row and the predicate r < nv; so do the loads of do and v in
+the V ring (the packed row's [1, T_raw, HV, V]: `_warp.rows_async`, a pad row's pieces zeros in
+smem, never loaded), beta's (a pad row's 0) and the raw gate's in the gate's row pass (rows
+clamped to nv - 1, then a pad row's values the chain's pad gate g_fill); the other inputs and the
+rstds stay on the padded row (ptxas 13.0, before v, beta and the gate moved: 128 registers, 16-80
+bytes spilled across the builds; not re-measured since). qk_padded=True (with
 varlen, not with l2norm) keeps dq, dk on the padded row as without the table (the walk's column
 stores of them at padded row 64c + r, all 64 rows, unpredicated: the intra walk's `qk_all`);
 dv2, db, dg still go through the table. With that kernel in the chain, kda_cute_wy_dqkg itself
@@ -129,7 +131,8 @@ class KdaWyDqkg:
 
     def __init__(self, io_dtype, beta_dtype, K: int, V: int, gsize: int, scale: float, want_dAqk: bool,
                  fused: bool = False, l2norm: bool = False, gate: str = "none", gate_bias: bool = False,
-                 lower_bound: float = 0.0, varlen: bool = False, qk_padded: bool = False):
+                 lower_bound: float = 0.0, varlen: bool = False, qk_padded: bool = False,
+                 g_fill: float = 0.0):
         self.io_dtype = io_dtype
         self.beta_dtype = beta_dtype
         self.K = K
@@ -148,6 +151,8 @@ class KdaWyDqkg:
         self.varlen = varlen
         # varlen: dq, dk on the padded row all the same (the l2norm_bwd after the kernel needs them there)
         self.qk_padded = qk_padded
+        # varlen, with the gate: a pad row's raw gate (exact in g's dtype: the chain's pad value)
+        self.g_fill = float(g_fill)
         # the intra walk's parameters (kda_cute._intra_walk): 4 groups of K threads, one 16-row
         # block each; its smem operands in this kernel's strides
         self.fold_dg = True
@@ -240,10 +245,11 @@ def _build_kernel_class():
                        mGr, mAlog, mBias, mDAp, mDbp)
 
         @cute.jit
-        def _row_prefetch(self, mQr, mKr, mGr, b, h, hv, row0, tidx):
+        def _row_prefetch(self, mQr, mKr, mGr, b, h, hv, row0, tidx, grow):
             """The row passes' global operands pulled into L2 before the intra walk, so their loads
             (issued after it, `_row_loads`) wait on L2, not DRAM: the rstds (threads 0-127, a row
-            each) and the raw gate's 128-byte lines (the next 128-256 threads, a line each)."""
+            each) and the raw gate's 128-byte lines (the next 128-256 threads, a line each).
+            grow(r): the raw gate's row of chunk row r (varlen: on the packed row)."""
             base = 0
             if cutlass.const_expr(self.l2norm):
                 base = 2 * BT
@@ -258,15 +264,17 @@ def _build_kernel_class():
                 i = tidx - base
                 if i >= 0:
                     if i < BT * lines:
-                        src = mG[b, row0 + i // lines, hv, None].iterator + (i % lines) * per_line
+                        src = mG[b, grow(i // lines), hv, None].iterator + (i % lines) * per_line
                         cute.arch.prefetch(src.llvm_ptr, cache_level="L2")
 
         @cute.jit
-        def _row_loads(self, mQr, mKr, mGr, mAlog, mBias, b, h, hv, row0, tidx):
+        def _row_loads(self, mQr, mKr, mGr, mAlog, mBias, b, h, hv, row0, tidx, grow, nv=None):
             """Every global operand of this warp's row passes, issued at once (one round trip, not
             one per row): the q / k rstds of its 4 rows, the raw gate's 4 row segments (a lane's
-            4 columns), exp(A_log[hv]) and the lane's 4 dt_bias values. -> (rq, rk, raw, ea, bias),
-            None where not used."""
+            4 columns; grow(r) the gate's row of chunk row r, and with nv (varlen) a pad row r >= nv
+            takes the chain's pad gate g_fill in g's dtype: the padded build's value, bitwise),
+            exp(A_log[hv]) and the lane's 4 dt_bias values. -> (rq, rk, raw, ea, bias), None where
+            not used."""
             K = self.K
             lane = tidx % 32
             RW = BT // (THREADS // 32)
@@ -278,7 +286,16 @@ def _build_kernel_class():
             if cutlass.const_expr(self.gate != "none"):
                 mG = _warp.gmem(mGr)
                 rowv = cute.make_layout((K // 4, 4), stride=(4, 1))
-                raw = [cute.make_tensor(mG[b, r, hv, None].iterator, rowv)[lane, None].load() for r in rows]
+                lr = [(tidx // 32) * RW + i for i in range(RW)]  # the chunk rows
+                raw = [cute.make_tensor(mG[b, grow(r), hv, None].iterator, rowv)[lane, None].load()
+                       for r in lr]
+                if cutlass.const_expr(nv is not None):
+                    for i in cutlass.range_constexpr(RW):
+                        fr = cute.make_rmem_tensor(cute.make_layout(4), mG.element_type)
+                        fr.store(raw[i])
+                        if lr[i] >= nv:  # warp-uniform
+                            fr.fill(self.g_fill)
+                        raw[i] = fr.load()
                 ea = _exp2(f32(mAlog[0, hv]) * LOG2E)
                 bias = cute.make_rmem_tensor(cute.make_layout(4), f32)
                 bias.fill(0.0)
@@ -452,9 +469,11 @@ def _build_kernel_class():
             gA = cute.local_tile(mA[b, None, hv, None], (BT, BT), (t_idx, 0))
             gV = cute.local_tile(mV[b, None, hv, None], (BT, BV), (t_idx, None))
             gVn = cute.local_tile(mVn[b, None, hv, None], (BT, BV), (t_idx, None))
-            if cutlass.const_expr(self.varlen):  # do on the packed row too: rows >= nv never loaded
+            if cutlass.const_expr(self.varlen):  # do and v on the packed row too: rows >= nv never loaded
                 gDo = cute.local_tile(cute.domain_offset((orow0, 0), mDo[b, None, hv, None]), (BT, BV),
                                       (0, None))
+                gV = cute.local_tile(cute.domain_offset((orow0, 0), mV[b, None, hv, None]), (BT, BV),
+                                     (0, None))
             else:
                 gDo = cute.local_tile(mDo[b, None, hv, None], (BT, BV), (t_idx, None))
             gDv = cute.local_tile(mDv[b, None, hv, None], (BT, BV), (t_idx, None))
@@ -562,7 +581,10 @@ def _build_kernel_class():
                 cute.copy(cp_io, tVng[None, None, None, iv], tVns[None, None, None, st])
                 cute.copy(cp_io, tDhg[None, None, None, iv], tDhs[None, None, None, st])
                 cute.copy(cp_io, tDvg[None, None, None, iv], tDvs[None, None, None, st])
-                cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, st])
+                if cutlass.const_expr(self.varlen):
+                    _warp.rows_async(cp_io, tVg[None, None, None, iv], tVs[None, None, None, st], cDo, nv)
+                else:
+                    cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, st])
 
             # prologue: group 0 = Akk + tile 0, group 1 = tile 1, then q, k, gk (epilogue only)
             groups = []
@@ -579,7 +601,13 @@ def _build_kernel_class():
             cute.copy(cp_f32, tf.partition_S(gG), tf.partition_D(sG))
             cute.arch.cp_async_commit_group()
             groups.append("qkg")
-            if tidx < BT:
+            if cutlass.const_expr(self.varlen):  # beta on the packed row: a pad row's 0
+                if tidx < BT:
+                    bt = self.beta_dtype(0.0)
+                    if tidx < nv:
+                        bt = mBeta[b, orow0 + tidx, hv]
+                    sBeta[tidx] = f32(bt)
+            elif tidx < BT:
                 sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
 
             # ---------------- the tiled mma and its fragments
@@ -929,13 +957,19 @@ def _build_kernel_class():
                 else:
                     gDb = cute.local_tile(mDb[b, None, hv], (BT,), (t_idx,))
                 rows = self.l2norm or gate  # (mDA, mDAq: the rstds)
+
+                def grow(r):  # the raw gate's row of chunk row r (varlen: the packed row's, clamped)
+                    if cutlass.const_expr(self.varlen):
+                        return orow0 + cutlass.min(r, nv - 1)
+                    return row0 + r
+
                 if cutlass.const_expr(rows):
-                    self._row_prefetch(mDA, mDAq, mGr, b, h, hv, row0, tidx)
+                    self._row_prefetch(mDA, mDAq, mGr, b, h, hv, row0, tidx, grow)
                 self.intra_walk(tidx, sQ, sK, sG, sAqS, sAkS, sBeta, sDbp, sStage, *ins, *outs, sDbi, gDb, 0,
                                 nv=nv, qk_all=self.qk_padded)
                 if cutlass.const_expr(rows):  # the loads fly while the barrier waits for the last warp
                     rq, rk, raw, ea, bias = self._row_loads(mDA, mDAq, mGr, mAlog, mBias, b, h, hv, row0,
-                                                            tidx)
+                                                            tidx, grow, nv)
                     cute.arch.sync_threads()  # every column of dq, dk, dg is final; dAqk's slot is dead
                 if cutlass.const_expr(self.l2norm):
                     self._l2norm_rows(sDqS, sQ, rq, mDq, b, h, hv, orow0, tidx, nv)
@@ -1057,17 +1091,23 @@ _kernel_class = functools.cache(_build_kernel_class)  # built (with the DSL impo
 _NAMES = ("q", "k", "v", "v_new", "gk", "beta", "Akk", "h", "do", "dh", "dv")
 
 
-def _hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv) -> str | None:
-    """Why the kernel cannot compute this call at all (shape, dtype, layout), or None."""
-    r = _warp.extent_reason(q, k, v, gk, beta, SUPPORTED_K)
+def _hard_reason(q, k, v, v_new, gk, beta, Akk, h, do, dh, dv, packed=False) -> str | None:
+    """Why the kernel cannot compute this call at all (shape, dtype, layout), or None. packed
+    (kda_cute_bwd_chunk's varlen build): v, beta, do are on the packed row [1, T_raw, ...], so
+    their extents are checked as the padded row's (v_new's rows) and their rows, do whole, by
+    kda_cute.bwd_chunk."""
+    ext_v, ext_b = v, beta
+    if packed:
+        ext_v, ext_b = (torch.empty((*v_new.shape[:2], *x.shape[2:]), device="meta") for x in (v, beta))
+    r = _warp.extent_reason(q, k, ext_v, gk, ext_b, SUPPORTED_K)
     if r is not None:
         return r
-    B, T, HV, V = v.shape
+    B, T, HV, V = ext_v.shape
     K = q.shape[3]
     NT = T // BT
-    for name, t in (("v_new", v_new), ("do", do), ("dv", dv)):
-        if t.shape != v.shape:
-            return f"{name} must be [B,T,HV,V] = {tuple(v.shape)}; got {tuple(t.shape)}"
+    for name, t in (("v_new", v_new), ("dv", dv)) + (() if packed else (("do", do),)):
+        if t.shape != ext_v.shape:
+            return f"{name} must be [B,T,HV,V] = {tuple(ext_v.shape)}; got {tuple(t.shape)}"
     if Akk.shape != (B, T, HV, BT):
         return f"Akk must be [B,T,HV,{BT}] (chunk {BT}); got {tuple(Akk.shape)}"
     for name, t in (("h", h), ("dh", dh)):
@@ -1148,7 +1188,7 @@ def _build(views, stream, cfg: WyDqkgConfig, options: str = ""):
     kern = _kernel_class()[int(cfg.fused) + int(cfg.varlen)](
         cutlass_dtype(cfg.io_dtype), cutlass_dtype(cfg.beta_dtype), cfg.K, cfg.V, cfg.HV // cfg.H, cfg.scale,
         cfg.want_dAqk, cfg.fused, cfg.l2norm, cfg.gate, cfg.gate_bias, cfg.lower_bound, cfg.varlen,
-        cfg.qk_padded,
+        cfg.qk_padded, _warp.gate_pad_value(cfg.g_dtype, cfg.gate != "none") if cfg.varlen else 0.0,
     )
     return cute.compile(kern, *views, stream, options=options)
 

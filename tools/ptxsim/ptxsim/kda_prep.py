@@ -74,9 +74,9 @@ def emulate_prep(text, args, want_qg=True, ctas=None, l2norm=False, table=None):
     so must every input and every other stand-in.
 
     `table` (the varlen build: args the packed row [1, T_raw, ...], table int32 [NT, 2]): the
-    outputs on the padded row [1, 64 NT, ...], then the padded copies q_p, k_p, v_p, g_p (None
-    without the gate in the op), beta_p, all NaN-poisoned first; every global access must stay
-    inside the tensors' own bytes (`_InBoundsCTA`)."""
+    outputs on the padded row [1, 64 NT, ...], then q, k's padded copies q_p, k_p (with l2norm the
+    normalized q, k themselves), all NaN-poisoned first; every global access must stay inside the
+    tensors' own bytes (`_InBoundsCTA`)."""
     from kda_cute import prep
 
     q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
@@ -92,24 +92,24 @@ def emulate_prep(text, args, want_qg=True, ctas=None, l2norm=False, table=None):
         keep += [14, 15]
     if not l2norm:
         keep += [16, 17]
-    keep += [18] if table is not None else [18, 19, 20, 21]
-    if table is not None and not gate_in:
-        keep += [20]
-    cta_cls = WyCTA
-    if table is not None:
-        _, bases = global_memory(tensors)
-        ranges = tuple((b, b + t.numel() * t.element_size()) for t, b in zip(tensors, bases, strict=True))
-        cta_cls = type("PrepCTA", (_InBoundsCTA,), {"ranges": ranges})
-    got = run_grid(wy_program(text), tensors, ctas, cta_cls, prep.THREADS)
+    keep += [18]
+    got = run_grid(wy_program(text), tensors, ctas, _cta_class(tensors, table), prep.THREADS)
     for i in keep:
         assert torch.equal(_bits(got[i]), _bits(tensors[i])), f"kernel argument {i} (read-only) was written"
     w, u, qg, kg, aqk, akk, gk = got[7:14]
     outs = (gk, w, u, qg, kg, aqk, akk, *(got[14:18] if l2norm else ()))
     if table is None:
         return outs
-    qp, kp = got[14:16]
-    gp = got[20] if gate_in else None
-    return (*outs, qp, kp, got[19], gp, got[21])
+    return (*outs, *got[14:16])
+
+
+def _cta_class(tensors, table):
+    """WyCTA, or with a chunk table `_InBoundsCTA` over the tensors' own bytes."""
+    if table is None:
+        return WyCTA
+    _, bases = global_memory(tensors)
+    ranges = tuple((b, b + t.numel() * t.element_size()) for t, b in zip(tensors, bases, strict=True))
+    return type("PrepCTA", (_InBoundsCTA,), {"ranges": ranges})
 
 
 def prep_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dtype=None, gmin=-0.3, seed=0,
@@ -133,21 +133,24 @@ def prep_inputs(B=1, T=64, H=1, HV=1, K=128, V=64, dtype=torch.bfloat16, beta_dt
     return [q, k, v, g, beta, A_log, dt_bias, gmin if gate == "lower_bound" else None, True]
 
 
-def emulate_bwd_prep(text, args, Akk, ctas=None, gk=None):
+def emulate_bwd_prep(text, args, Akk, ctas=None, gk=None, table=None):
     """Run kda_cute_bwd_prep's PTX (kda_cute.bwd_prep) on CPU for `args` (`prep_inputs`' list) and
     the saved `Akk`: (gk, w, u, qg, kg), NaN-poisoned first; `ctas` as for `emulate_prep`. `gk`: the
-    forward's, for the build that reads it (a copy goes in; it must come back unchanged)."""
+    forward's, for the build that reads it (a copy goes in; it must come back unchanged). `table`
+    (the varlen build: v, g, beta on the packed row, q, k, Akk on the padded one): every global
+    access must stay inside the tensors' own bytes."""
     from kda_cute import bwd_prep
 
     q, k, v, g, beta, A_log, dt_bias, lower_bound, gate_in = args
+    g_ = gk if g is None else g
     outs = bwd_prep._outputs(q, v)
-    ctas = _poisoned_grid(outs, v, ctas)
+    ctas = _poisoned_grid(outs, outs[2], ctas, table)  # (u: the padded row's extents)
     if gk is not None:
         outs = (gk.clone(), *outs[1:])
-    cfg = bwd_prep._config(q, v, g, beta, dt_bias, lower_bound, gate_in, gk is not None)
-    tensors = list(bwd_prep._kernel_args(q, k, v, g, beta, A_log, dt_bias, Akk, cfg, outs))
+    cfg = bwd_prep._config(q, v, g_, beta, dt_bias, lower_bound, gate_in, gk is not None, table is not None)
+    tensors = list(bwd_prep._kernel_args(q, k, v, g_, beta, A_log, dt_bias, Akk, cfg, outs, table))
     tensors[11] = torch.full_like(Akk, float("nan"))  # the Aqk stand-in: must stay untouched
-    got = run_grid(wy_program(text), tensors, ctas, WyCTA, bwd_prep.THREADS)
+    got = run_grid(wy_program(text), tensors, ctas, _cta_class(tensors, table), bwd_prep.THREADS)
     assert torch.isnan(got[11]).all(), "kda_cute_bwd_prep wrote its Aqk stand-in"
     if gk is not None:
         assert torch.equal(got[13].view(torch.int32), gk.view(torch.int32)), "the given gk was written"

@@ -124,14 +124,14 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
     outputs are the packed row's [1, T_raw, ...], each laid between poisoned guard rows that must
     come back unchanged; its CTAs run by default in descending chunk order, so that a store past a
     chunk's valid rows (into the next sequence's) would land after that chunk's own and show. Its
-    do (args[8]) is the packed row's [1, T_raw, HV, V] too, laid between poisoned guard rows
-    (NaN / Inf: a load past the packed row's ends would show in the gradients).
+    do (args[8]), v (args[2]), beta (args[5]) and with the gate the raw gate are the packed row's
+    [1, T_raw, ...] too, each laid between poisoned guard rows (NaN / Inf: a load past the packed
+    row's ends would show in the gradients); the padded row's extents are v_new's (args[3]).
     qk_padded (its PTX compiled with it too): dq, dk the padded row's [1, T, HV, K], between
     guard rows as well."""
     from kda_cute import bwd_chunk
 
-    v = args[2]
-    B, T, HV, _ = v.shape
+    B, T, HV, _ = args[3].shape  # (v_new: the padded row's)
     prog = wy_program(text)
     gate = gate or {}
     _, outs, parts, tensors = bwd_chunk._prepare(*args[:11], 1.0, emit_bf16, *(rstd or (None, None)),
@@ -157,8 +157,12 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
             heads = t.shape[2]
             head = hy // (HV // H) if heads == H and i < 18 else hy
             row = (t.shape[3] if t.dim() == 4 else 1) * t.element_size()
-            for r in range(tx * 64, tx * 64 + 64):
-                lo = bases[i] + ((bz * T + r) * heads + head) * row
+            rows, base = range(tx * 64, tx * 64 + 64), bases[i]
+            if table is not None and i == 18:  # the raw gate: the packed row's, past its guard rows
+                r0, nv = table[tx].tolist()
+                rows, base = range(r0, r0 + nv), base + GUARD * t[0, 0].numel() * t.element_size()
+            for r in rows:
+                lo = base + ((bz * t.shape[1] + r) * heads + head) * row
                 out.append((lo, lo + row))
         return out
 
@@ -167,7 +171,8 @@ def emulate_bwd_chunk(text, args, emit_bf16=False, ctas=None, rstd=None, gate=No
     if table is None:
         got = run_grid(prog, list(tensors), ctas, WyCTA, THREADS, prefetch_ok=ok)
     else:
-        got = _run_guarded(prog, tensors, (8, *range(n, n + 5)), ctas, ok)
+        packed_in = (2, 5, 8, *((18,) if gate else ()))  # v, beta, do, the raw gate
+        got = _run_guarded(prog, tensors, (*packed_in, *range(n, n + 5)), ctas, ok)
     if parts is None:
         return got[n:n + 5]
     dbias = got[n + 11] if gate.get("dt_bias") is not None else None
