@@ -211,7 +211,7 @@ def _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_
     backward, as fla's: more memory, no recompute."""
     if q.shape[1] == 0:  # fla's answer at T = 0, without launching anything
         if chunks is not None:  # (every packed sequence empty: their states pass through)
-            B = chunks.shape[0] - 1
+            B = chunks.shape[1] - 1
             q, k, v, g, beta = (t.expand(B, *t.shape[1:]) for t in (q, k, v, g, beta))
         return EmptyKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state)
     flags = _flags(q, scale, output_final_state, chunk_size, use_qk_l2norm_in_kernel, use_gate_in_kernel,

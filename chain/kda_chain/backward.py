@@ -60,7 +60,7 @@ def _side_stream(do: torch.Tensor, v: torch.Tensor, chunks=None):
         return None
     B, _, HV, V = v.shape
     if chunks is not None:  # a packed call: the scans' grid has one row per sequence
-        B = chunks.shape[0] - 1
+        B = chunks.shape[1] - 1
     if v_tiles(B, HV, V) > sm_count_of(do):
         return None
     st = _SIDE.get(do.device)

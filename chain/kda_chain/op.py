@@ -52,9 +52,9 @@ def _none(like: Tensor) -> None:
 def _fwd_meta(q, k, v, g, beta, initial_state, chunks, output_final_state, l2norm, gate, beta_sigmoid, keep):
     """(shape, dtype) of each output of kda::chunk_kda_fwd, None for an empty placeholder. keep:
     disable_recompute (gk and the forward's w, u, qg, kg, h, v_new are outputs too). chunks: a
-    packed call's chunk table (kda_chain.varlen): N = its length - 1 states, else B."""
+    packed call's chunk table (kda_chain.varlen, [2, N + 1]): N states, else B."""
     B, T, H, K = q.shape
-    N = B if chunks is None else chunks.shape[0] - 1
+    N = B if chunks is None else chunks.shape[1] - 1
     HV, V = v.shape[2], v.shape[3]
     NT = -(-T // 64)
     f32 = _f32(q)

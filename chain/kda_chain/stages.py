@@ -455,8 +455,9 @@ def _fla_fwd_intra(q, k, v, gk, beta, scale, chunk_size, want_qg=False):
 
 
 def _cu_seqlens(chunks, chunk_size: int = 64):
-    """fla's cu_seqlens for a chunk table (the packed row, each sequence padded to whole chunks)."""
-    return None if chunks is None else chunks.long() * chunk_size
+    """fla's cu_seqlens for a chunk table (the packed row, each sequence padded to whole chunks;
+    row 0 of kda_chain.varlen's [2, N + 1] `chunks`: fla's scans walk in sequence order)."""
+    return None if chunks is None else chunks[0].long() * chunk_size
 
 
 def _fla_fwd_h(kg, w, u, gk, initial_state, output_final_state, chunks=None):

@@ -11,6 +11,7 @@ import torch
 from kda_chain import chunk_kda
 from kda_chain import op as kop
 from kda_chain.forward import Flags
+from kda_chain.varlen import chunks_words
 
 CASES = {  # name: (B, T, H, HV, K, V, dtype, flags)
     "gate_l2norm_h0": (1, 64, 1, 2, 16, 8, torch.float64,
@@ -23,7 +24,7 @@ CASES = {  # name: (B, T, H, HV, K, V, dtype, flags)
                               dict(use_gate_in_kernel=True, output_final_state=True, disable_recompute=True)),
     # a packed call's padded row (kda_chain.varlen): three sequences of 1, 0 and 2 chunks, states [3, ...]
     "packed_chunks": (1, 192, 1, 2, 16, 8, torch.float32,
-                      dict(use_gate_in_kernel=True, output_final_state=True, chunks=[0, 1, 1, 3])),
+                      dict(use_gate_in_kernel=True, output_final_state=True, chunks=[1, 0, 2])),
 }
 
 
@@ -42,8 +43,8 @@ def _inputs(B, T, H, HV, K, V, dtype, flags, seed=0, h0=True):
         x.update(A_log=r(HV, dt=torch.float32), dt_bias=r(HV * K, dt=torch.float32))
     N = B
     if "chunks" in flags:
-        x["chunks"] = torch.tensor(flags["chunks"], dtype=torch.int32)
-        N = len(flags["chunks"]) - 1
+        x["chunks"] = torch.tensor(chunks_words(flags["chunks"]), dtype=torch.int32).view(2, -1)
+        N = len(flags["chunks"])
     if h0:
         x["initial_state"] = r(N, HV, K, V, dt=torch.float32 if dtype != torch.float64 else dtype)
     return x

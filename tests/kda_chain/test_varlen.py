@@ -136,7 +136,8 @@ def test_packing_layout():
     lens = [1, 0, 64, 65, 3]
     offs = [0, *torch.tensor(lens).cumsum(0).tolist()]
     p = varlen.packing(torch.tensor(offs, dtype=torch.int32), offs)
-    assert p.chunks.tolist() == [0, 1, 1, 2, 4, 5] and p.T_pad == 5 * 64
+    assert p.chunks.tolist() == [[0, 1, 1, 2, 4, 5], [3, 0, 2, 4, 1, 0]]  # offsets; longest first
+    assert p.T_pad == 5 * 64
     assert p.index[:2].tolist() == [0, 64] and p.index[-3:].tolist() == [256, 257, 258]
     assert sorted(p.index.tolist() + p.pad.tolist()) == list(range(320))  # every row exactly once
     x = torch.randn(1, sum(lens), 2, 3, requires_grad=True)

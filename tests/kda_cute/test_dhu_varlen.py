@@ -44,7 +44,7 @@ def _packing():
 
 P = _packing()
 T_PAD, T_RAW = P.T_pad, P.T
-SEQ_OF_CHUNK = torch.repeat_interleave(torch.arange(len(LENS)), (P.chunks[1:] - P.chunks[:-1]).long())
+SEQ_OF_CHUNK = torch.repeat_interleave(torch.arange(len(LENS)), (P.chunks[0, 1:] - P.chunks[0, :-1]).long())
 
 
 @functools.cache

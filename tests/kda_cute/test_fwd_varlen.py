@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("cutlass.cute")
 pytest.importorskip("kda_cute.fwd")
+from kda_chain.varlen import chunks_words  # noqa: E402
 from kda_cute import fwd  # noqa: E402
 from ptxsim import kda  # noqa: E402
 
@@ -27,16 +28,16 @@ GUARD = 64  # NaN rows before and after o in the emulated memory
 
 
 def _packing(lengths=LENGTHS, gap=GAP):
-    """(chunks int32 [N + 1], table int32 [T_pad / 64, 2], T_raw): each sequence's chunks on the
+    """(chunks int32 [2, N + 1], table int32 [T_pad / 64, 2], T_raw): each sequence's chunks on the
     padded row, per padded chunk its first packed row and valid rows; sequence s starts `gap`
     rows after the previous one's end."""
-    chunks, table, start = [0], [], 0
+    table, start = [], 0
     for n in lengths:
         for j in range(0, n, 64):
             table.append((start + j, min(64, n - j)))
-        chunks.append(len(table))
         start += n + gap
-    return (torch.tensor(chunks, dtype=torch.int32), torch.tensor(table, dtype=torch.int32), start)
+    chunks = torch.tensor(chunks_words([-(-n // 64) for n in lengths]), dtype=torch.int32).view(2, -1)
+    return chunks, torch.tensor(table, dtype=torch.int32), start
 
 
 def _gathered(o_pad, table, T_raw, guard):
@@ -91,7 +92,7 @@ def _reason(chunks, **kw):
     return fwd.static_reason(*_call(), None, chunks, **kw)
 
 
-CHUNKS = torch.tensor([0, 1, 2], dtype=torch.int32)
+CHUNKS = torch.tensor(chunks_words([1, 1]), dtype=torch.int32).view(2, -1)
 TABLE = torch.tensor([[0, 64], [64, 10]], dtype=torch.int32)
 
 
@@ -124,8 +125,8 @@ def test_packed_o_bad_table_or_T_raw(table, T_raw, words):
 def test_packed_o_needs_chunks_and_one_row():
     assert "needs chunks" in _reason(None, table=TABLE, T_raw=74)
     assert "T_raw without a table" in _reason(None, T_raw=74)
-    assert "[1, T" in fwd.static_reason(*_call(B=2), None, torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32),
-                                        table=TABLE, T_raw=74)
+    four = torch.tensor(chunks_words([1] * 4), dtype=torch.int32).view(2, -1)
+    assert "[1, T" in fwd.static_reason(*_call(B=2), None, four, table=TABLE, T_raw=74)
 
 
 def test_fwd_scan_raises_on_a_bad_table():

@@ -8,6 +8,7 @@ pytest.importorskip("cutlass.cute")
 b1 = pytest.importorskip("kda_cute.b1")
 fwd = pytest.importorskip("kda_cute.fwd")
 dhu = pytest.importorskip("kda_cute.dhu")
+from kda_chain.varlen import chunks_words  # noqa: E402
 
 
 def _t(B=1, T=200, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16):
@@ -111,8 +112,8 @@ def test_two_warpgroup_variants_compile():
 
 def _packed(V=128, lens_chunks=(1, 0, 3), dtype=torch.bfloat16):
     """Operands packed [1, T, ...] with a chunk table (sequences of 1, 0 and 3 chunks)."""
-    chunks = torch.tensor([0, *torch.tensor(lens_chunks).cumsum(0).tolist()], dtype=torch.int32)
-    d = _t(T=64 * int(chunks[-1]), V=V, dtype=dtype)
+    chunks = torch.tensor(chunks_words(list(lens_chunks)), dtype=torch.int32).view(2, -1)
+    d = _t(T=64 * sum(lens_chunks), V=V, dtype=dtype)
     d["h0"] = torch.randn(len(lens_chunks), d["u"].shape[2], 128, V)
     return d, chunks
 
@@ -130,11 +131,12 @@ def test_scans_compile_with_a_chunk_table(nwg):
 
 
 def test_chunk_table_reasons():
-    """A table that is not int32 [N + 1], or states that are not [N, ...], are refused with a reason."""
+    """A table that is not int32 [2, N + 1], or states that are not [N, ...], are refused with a reason."""
     d, chunks = _packed()
     args = (d["kg"], d["w"], d["u"], d["gk"])
     assert b1.static_reason(*args, d["h0"], chunks) is None
     assert "int32" in b1.static_reason(*args, None, chunks.long())
+    assert "[2, N + 1]" in b1.static_reason(*args, None, chunks[0])  # the offsets alone
     assert "[B, HV, K, V]" in b1.static_reason(*args, d["h0"][:2], chunks)
     assert "packed" in b1.static_reason(*(t[:, :100] for t in args), None, chunks)
 
@@ -168,8 +170,8 @@ def test_configs_are_frozen_compile_keys():
     _, _, _, f1 = fwd._plan(*_fwd_args(d)[1:], None, False, 0.1, None, None, None)
     _, _, _, f2 = fwd._plan(*_fwd_args(d)[1:], None, False, 0.2, None, None, None)
     assert f1 != f2  # the scale is compiled in
-    _, _, _, f3 = fwd._plan(*_fwd_args(d)[1:], None, False, 0.1, torch.tensor([0, 4], dtype=torch.int32),
-                            None, None)
+    one = torch.tensor(chunks_words([4]), dtype=torch.int32).view(2, -1)
+    _, _, _, f3 = fwd._plan(*_fwd_args(d)[1:], None, False, 0.1, one, None, None)
     assert f3 != f1 and f3.varlen  # a chunk table is another build
 
 

@@ -24,6 +24,7 @@ pytest.importorskip("cutlass.cute")
 pytest.importorskip("kda_cute.b1")
 pytest.importorskip("kda_cute.fwd")
 pytest.importorskip("kda_cute.dhu")
+from kda_chain.varlen import chunks_words  # noqa: E402
 from kda_cute import reference as ref  # noqa: E402
 from kda_cute.reference import stages as rstages  # noqa: E402
 from ptxsim import kda  # noqa: E402
@@ -134,14 +135,15 @@ def test_b1_ptx_with_initial_and_final_state(sm90a, stages, nwg, V):
 # Packed sequences (the chunk table): N = 4 sequences of 1, 0, 2 and 3 chunks on one [1, 384] row,
 # one CTA per (V tile, head, sequence). The empty one runs no chunk (its state passes through
 # untouched), the 3-chunk one wraps the 2-stage ring, and every load / store but the first
-# sequence's sits at a chunk offset c0 > 0 of the row.
-PACKED = torch.tensor([0, 1, 1, 3, 6], dtype=torch.int32)
+# sequence's sits at a chunk offset c0 > 0 of the row. The walk order (longest first: 3, 2, 0, 1)
+# is not the sequence order, so CTA row z reads and writes the rows of sequence PACKED[1, z].
+PACKED = torch.tensor(chunks_words([1, 0, 2, 3]), dtype=torch.int32).view(2, -1)
 PACKED_T = 64 * 6
 
 
 def _states(V, HV, seed):
     """Per-sequence fp32 states [N, HV, 128, V] (h0 or dht)."""
-    return torch.randn(PACKED.numel() - 1, HV, 128, V, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return torch.randn(PACKED.shape[1] - 1, HV, 128, V, generator=torch.Generator().manual_seed(seed)) * 0.1
 
 
 def _assert_passes_through(got, state):
@@ -152,9 +154,10 @@ def _assert_passes_through(got, state):
 @pytest.mark.parametrize("HV, V, nwg", [(2, 128, 2), (1, 64, 1)])
 def test_b1_ptx_packed_sequences(sm90a, HV, V, nwg):
     """b1 with a chunk table and per-sequence h0 / ht: h, v_new and ht match the float64
-    reference run per sequence (`chunks=`), so each CTA walks its own chunks [chunks[z],
-    chunks[z + 1]) from its own h0 row and writes its own ht row; the 0-chunk sequence's ht is
-    its h0 exactly. (2, 128, 2): GVA (one k head for two value heads), two warpgroups."""
+    reference run per sequence (`chunks=`), so CTA row z walks the chunks [chunks[0, s],
+    chunks[0, s + 1]) of its sequence s = chunks[1, z] from h0 row s and writes ht row s; the
+    0-chunk sequence's ht is its h0 exactly. (2, 128, 2): GVA (one k head for two value heads),
+    two warpgroups."""
     kg, w, u, gk = kda.scan_inputs(B=1, T=PACKED_T, H=1, HV=HV, V=V)
     h0 = _states(V, HV, 6)
     h, v_new, ht = kda.emulate_b1(kg, w, u, gk, 2, nwg, h0=h0, chunks=PACKED)

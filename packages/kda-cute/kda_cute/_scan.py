@@ -208,8 +208,8 @@ def compile_fn(build, kernel):
         operands, kern = kernel(build)
         tmas, args = operands(*tensors)
         flat = tuple(x for op in tmas for x in op)
-        # grid z: the batch, or with a chunk table (the last tensor) its N sequences
-        z = cute.size(tensors[-1], mode=[0]) - 1 if build.varlen else cute.size(tensors[0], mode=[0])
+        # grid z: the batch, or with a chunk table (the last tensor, [2 (N + 1)]) its N sequences
+        z = cute.size(tensors[-1], mode=[0]) // 2 - 1 if build.varlen else cute.size(tensors[0], mode=[0])
         kern(flat, *args).launch(
             grid=(build.V // (BV * build.nwg), build.HV, z),
             block=[THREADS * build.nwg, 1, 1],
@@ -231,8 +231,10 @@ class Cta:
 
     The walk: `NT` chunks from chunk `c0` of batch row `b`, the fp32 states at row `seq`. Fixed
     length: b = seq = the block's z, c0 = 0. With a chunk table (`cfg.varlen`, `mChunks` int32
-    [N + 1]): the block's z is the sequence, its chunks [mChunks[seq], mChunks[seq + 1]) of the
-    one packed row b = 0; every per-chunk load and store then indexes chunk c0 + c."""
+    [2 (N + 1)]: the chunk offsets, then the walk order): the block's z is the rank in the walk
+    order, its sequence seq = mChunks[N + 1 + z] (the longest first: kda_chain.varlen.walk_order),
+    its chunks [mChunks[seq], mChunks[seq + 1]) of the one packed row b = 0; every per-chunk load
+    and store then indexes chunk c0 + c."""
 
     def __init__(self, cfg, mG, mChunks):
         cfg._layouts()
@@ -248,8 +250,9 @@ class Cta:
         self.seq = z
         if cfg.varlen:  # (plain Python: Cta is built while tracing, not a jit function)
             self.b = 0
-            self.c0 = mChunks[z]
-            self.NT = mChunks[z + 1] - self.c0
+            self.seq = mChunks[cute.size(mChunks) // 2 + z]
+            self.c0 = mChunks[self.seq]
+            self.NT = mChunks[self.seq + 1] - self.c0
         else:
             self.b = z
             self.c0 = 0

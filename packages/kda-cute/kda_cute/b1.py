@@ -244,7 +244,8 @@ def fwd_h(
     ValueError on a call the kernel cannot compute (shape, dtype, layout, device).
 
     `chunks`: packed sequences (fla's cu_seqlens on a layout padded to whole chunks per
-    sequence): int32 [N + 1] chunk offsets; the operands are [1, T, ...], h0 / ht [N, ...].
+    sequence): int32 [2, N + 1], the chunk offsets and the walk order (`scan_policy.chunks_reason`);
+    the operands are [1, T, ...], h0 / ht [N, ...].
 
     `stages` (TMA ring depth) and `warpgroups` (1: one 64-wide V tile per CTA; 2: two V tiles
     sharing the w / kg tiles, needs V % 128 == 0, else 1) select the compiled variant, by

@@ -29,25 +29,25 @@ MN-major); do (V, T). dh leaves by TMA store from the bf16 smem copy that is als
 `kg @ dh`; dv2 from the bf16 buffer that is the B operand of `w^T @ dv2`. smem per stage: kg, qg,
 w 16 KB each, Aqk 8 KB, do 8 KB per V tile; per warpgroup the dh (16 KB) and dv2 (8 KB) buffers.
 
-Packed sequences (`chunks`, int32 [N + 1]: each sequence's chunks on the one padded row [1, T_pad,
-...] of kda_chain.varlen, one CTA z per sequence; h0 / dht / dh0 [N, ...]). With the chunk table
-too (`table`, int32 [T_pad / 64, 2], compiled in: the config's `table`) do is read straight from
-the packed row [1, T_raw <= T_pad, HV, V], so the chain need not gather it onto the padded row
-(index_select + index_fill, 0.59 ms at 131072 tokens): padded chunk j's row r < nv = table[j, 1]
-is do's row table[j, 0] + r. Its do tiles are TMA boxes at that row (the coordinate tensor
-`cute.domain_offset` by it: any row); a chunk's nv and the packed row its refill loads are read
-at the top of the iteration beside gk's row, so the refill's address waits on no load. A box
-past a chunk's valid rows holds the next sequence's rows (or TMA's zero fill past do's end): the
-partial chunk (only a sequence's last, the walk's first) sets its do tile's rows >= nv to +0 in
-smem once the stage landed, before the fence + barrier that already publish the masked Aqk to the
-wgmmas (no barrier of its own; a full chunk runs no pass of the loop), so they are exact zeros
-in every product and no other sequence's value (NaN, Inf, -0) reaches it. (A predicated cp.async
-of that chunk instead would add a second copy path and its wait to the ring.) Everything else
-(qg, kg, w, gk, Aqk and every output) stays on the padded row; without the table the build is
-the one before it byte for byte (PTX compared). Registers (ptxas 13.0, sm_90a, no spills): 156 /
-171 without the table (one / two warpgroups, with dht / dh0), 158 / 174 with it. H200
-2026-12-04, 16 sequences of 4890..10917 tokens (131072), H = HV = 16, V = 256: table build
-1.775 ms (primed) vs the padded build 1.885 plus the gather 0.586; bitwise equal outputs.
+Packed sequences (`chunks`, int32 [2, N + 1]: each sequence's chunks on the one padded row [1,
+T_pad, ...] of kda_chain.varlen, then the walk order: CTA row z takes sequence chunks[1, z]; h0 /
+dht / dh0 [N, ...]). With the chunk table too (`table`, int32 [T_pad / 64, 2], compiled in: the
+config's `table`) do is read straight from the packed row [1, T_raw <= T_pad, HV, V], so the chain
+need not gather it onto the padded row (index_select + index_fill, 0.59 ms at 131072 tokens): padded
+chunk j's row r < nv = table[j, 1] is do's row table[j, 0] + r. Its do tiles are TMA boxes at that
+row (the coordinate tensor `cute.domain_offset` by it: any row); a chunk's nv and the packed row its
+refill loads are read at the top of the iteration beside gk's row, so the refill's address waits on
+no load. A box past a chunk's valid rows holds the next sequence's rows (or TMA's zero fill past
+do's end): the partial chunk (only a sequence's last, the walk's first) sets its do tile's rows >=
+nv to +0 in smem once the stage landed, before the fence + barrier that already publish the masked
+Aqk to the wgmmas (no barrier of its own; a full chunk runs no pass of the loop), so they are exact
+zeros in every product and no other sequence's value (NaN, Inf, -0) reaches it. (A predicated
+cp.async of that chunk instead would add a second copy path and its wait to the ring.) Everything
+else (qg, kg, w, gk, Aqk and every output) stays on the padded row; without the table the build is
+the one before it byte for byte (PTX compared). Registers (ptxas 13.0, sm_90a, no spills): 156 / 171
+without the table (one / two warpgroups, with dht / dh0), 158 / 174 with it. H200 2026-12-04, 16
+sequences of 4890..10917 tokens (131072), H = HV = 16, V = 256: table build 1.775 ms (primed) vs the
+padded build 1.885 plus the gather 0.586; bitwise equal outputs.
 
 Constraints: bf16 / fp16; K = 128; V % 64 == 0; HV % H == 0; contiguous, aligned; packed: B = 1,
 T_pad % 64 == 0, the table needs chunks and its contents are trusted (not read on the host);

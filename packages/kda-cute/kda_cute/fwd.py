@@ -29,18 +29,18 @@ no q-head ratio here. smem per stage: w, qg, kg 16 KB each, Aqk 8, u 8 per V til
 TMA store from two 8 KB buffers per warpgroup (chunk parity). One CTA barrier per chunk (the
 shared Aqk mask). No per-chunk state leaves the CTA; q stays in the contract but is not read.
 
-Packed sequences: `chunks` (b1's: int32 [N + 1] chunk offsets on the padded row [1, T_pad, ...],
-one CTA per (V tile, head, sequence)) writes o [1, T_pad, HV, V] on the padded row. With the chunk
-table too (`table` int32 [T_pad / 64, 2], kda_chain.varlen's: per padded chunk j its first packed
-token and its nv valid rows; `T_raw` the packed row's tokens), the `packed_o` build writes o [1,
-T_raw, HV, V] straight onto the packed row: row r < nv of chunk j at table[j, 0] + r, no other row
-(pad rows never, nor a row of another sequence). A full chunk leaves by the same TMA store at the
-packed row offset (a domain offset of the store's coordinates; TMA takes any row); a partial one
-(a sequence's last) by predicated 16-byte stores of the warpgroup's threads from the same smem
-buffer after the same barrier (a 64-row box would overwrite the next sequence's first rows while
-another CTA writes them), then an empty bulk group so the parity wait still counts chunks
-(`_scan.store_packed`). The table row is read at the chunk's start, under its GEMMs. Without a
-table the kernel's parameters and PTX are the padded-row build's, byte for byte.
+Packed sequences: `chunks` (b1's: int32 [2, N + 1], chunk offsets on the padded row [1, T_pad, ...]
+and the walk order, one CTA per (V tile, head, sequence)) writes o [1, T_pad, HV, V] on the padded
+row. With the chunk table too (`table` int32 [T_pad / 64, 2], kda_chain.varlen's: per padded chunk j
+its first packed token and its nv valid rows; `T_raw` the packed row's tokens), the `packed_o` build
+writes o [1, T_raw, HV, V] straight onto the packed row: row r < nv of chunk j at table[j, 0] + r,
+no other row (pad rows never, nor a row of another sequence). A full chunk leaves by the same TMA
+store at the packed row offset (a domain offset of the store's coordinates; TMA takes any row); a
+partial one (a sequence's last) by predicated 16-byte stores of the warpgroup's threads from the
+same smem buffer after the same barrier (a 64-row box would overwrite the next sequence's first rows
+while another CTA writes them), then an empty bulk group so the parity wait still counts chunks
+(`_scan.store_packed`). The table row is read at the chunk's start, under its GEMMs. Without a table
+the kernel's parameters and PTX are the padded-row build's, byte for byte.
 
 Constraints: b1's (bf16 / fp16, K = 128, V % 64 == 0, HV % H == 0, contiguous, aligned; packed
 only through `chunks`, B = 1), plus qg [B, T, HV, 128] and Aqk [B, T, HV, 64] (chunk 64) in u's

@@ -83,13 +83,15 @@ def floor_reason(shape_bthv, floor: int) -> str | None:
 
 
 def chunks_reason(chunks, u) -> str | None:
-    """A packed call's chunk table (`chunks`: int32 [N + 1] chunk offsets on u's device, each
-    sequence padded to whole chunks, as kda_chain.varlen builds it) against u [1, T, HV, V]. The
-    offsets themselves are not read here (that would sync): the table's builder checks them."""
+    """A packed call's chunk table (`chunks`: int32 [2, N + 1] on u's device, as kda_chain.varlen
+    builds it: row 0 the chunk offsets, each sequence padded to whole chunks; row 1 the walk
+    order, a permutation of 0 .. N - 1 then a 0: CTA row z walks sequence chunks[1, z], so the
+    longest can start first) against u [1, T, HV, V]. The contents are not read here (that would
+    sync): the table's builder checks them."""
     if chunks is None:
         return None
-    if chunks.dtype != torch.int32 or chunks.dim() != 1 or chunks.numel() < 2:
-        return "chunks must be an int32 [N + 1] table of chunk offsets"
+    if chunks.dtype != torch.int32 or chunks.dim() != 2 or chunks.shape[0] != 2 or chunks.shape[1] < 2:
+        return "chunks must be an int32 [2, N + 1] table (the chunk offsets, then the walk order)"
     if chunks.device != u.device or not chunks.is_contiguous():
         return "chunks must be contiguous, on the operands' device"
     if u.shape[0] != 1 or u.shape[1] % BT:
@@ -99,7 +101,7 @@ def chunks_reason(chunks, u) -> str | None:
 
 def seqs(u, chunks) -> int:
     """The number of state rows: B, or N sequences with a chunk table."""
-    return u.shape[0] if chunks is None else chunks.numel() - 1
+    return u.shape[0] if chunks is None else chunks.shape[1] - 1
 
 
 def state_reason(name: str, t, B: int, HV: int, K: int, V: int) -> str | None:
@@ -189,10 +191,11 @@ def dummy(dev) -> torch.Tensor:
 
 
 def chunk_args(chunks, dev) -> tuple:
-    """(the chunk-table argument, its dynamic dims): the table, or an int32 [2] placeholder a
+    """(the chunk-table argument, its dynamic dims): the table flat (int32 [2 (N + 1)]: the
+    offsets at 0 .. N, the walk order from N + 1; `_scan.Cta`), or an int32 [2] placeholder a
     fixed-length build never reads."""
     if chunks is not None:
-        return chunks, (0,)
+        return chunks.view(-1), (0,)
     d = _dummies.get((dev, "chunks"))
     if d is None:
         d = _dummies[(dev, "chunks")] = constant(torch.zeros(2, dtype=torch.int32, device=dev))

@@ -12,8 +12,8 @@ share (`scan_inputs`, `q_and_aqk`, `upstream_do`).
 The scans' checks, as the interpreter runs them, are of logic (indices, buffers, barrier phases,
 the accumulator-to-A view, the waits), with operand reads as late as the hardware may make them
 (see `hopper`): removing b1's store read wait before its named barrier gives h a 1.4 relative
-error here. The scans also run packed (`chunks`: the int32 [N + 1] chunk table, one CTA per
-(V tile, head, sequence), operands [1, T, ...]); their fp32 states (h0 / ht, dht / dh0) are
+error here. The scans also run packed (`chunks`: the int32 [2, N + 1] chunk table, offsets then walk order,
+one CTA per (V tile, head, sequence), operands [1, T, ...]); their fp32 states (h0 / ht, dht / dh0) are
 [B, ...] or with a table [N, ...] (the batch stride is static, so only their pointers and row
 counts go in the params). Not modelled: tensor maps of layouts other than the ones below; the
 intra kernel's launch beyond `ntid` = 256 (its block) and one CTA per (chunk, value head, batch).
@@ -101,7 +101,7 @@ def state_map(base, t):
 def state_params(prog, first, gk_base, T, B, HV, K, dummy_base, states=None, table=None):
     """The scans' tensor params after their tensor maps: mG (pointer, T and B as int32, B's
     stride), the two fp32 states (pointer, row count: `states` = ((base, rows), (base, rows)),
-    default a dummy of 0 rows), then the chunk table (`table` = (base, N + 1); None: a
+    default a dummy of 0 rows), then the chunk table (`table` = (base, 2 (N + 1)), flat; None: a
     fixed-length build, whose placeholder table is never read)."""
     names = [n for n, _ in prog.params]
     params = {(names[first], 0): gk_base, (names[first], 8): T | (B << 32), (names[first], 16): T * HV * K}
@@ -119,7 +119,7 @@ def _layout(u, chunks):
     B, T, HV, V = u.shape
     if chunks is not None:
         assert chunks.dtype == torch.int32 and B == 1 and T % 64 == 0
-    return B, T, HV, V, (T + 63) // 64, B if chunks is None else chunks.numel() - 1
+    return B, T, HV, V, (T + 63) // 64, B if chunks is None else chunks.shape[1] - 1
 
 
 def _table(chunks):
@@ -127,7 +127,7 @@ def _table(chunks):
     from before the table still compiles) and the table laid out in gmem (a dummy without one)."""
     if chunks is None:
         return {}, torch.zeros(2, dtype=torch.int32)
-    return {"chunks": chunks}, chunks.contiguous()
+    return {"chunks": chunks}, chunks.contiguous().view(-1)
 
 
 def emulate_b1(kg, w, u, gk, stages, nwg, mod=None, h0=None, chunks=None):
@@ -160,7 +160,8 @@ def emulate_b1(kg, w, u, gk, stages, nwg, mod=None, h0=None, chunks=None):
         param_address(10): token_map(bv, v_new, 64),
     }
     states = ((b0, Z), (bt, Z)) if state else None
-    params = state_params(prog, 12, bg, T, B, HV, K, bd, states, None if chunks is None else (bc, Z + 1))
+    ctab = None if chunks is None else (bc, 2 * (Z + 1))
+    params = state_params(prog, 12, bg, T, B, HV, K, bd, states, ctab)
     run_grid(prog, gmem, params, tmas, (V // (64 * nwg), HV, Z), 128 * nwg)
     out = (readback(gmem, h, bh), readback(gmem, v_new, bv))
     return (*out, readback(gmem, ht, bt)) if state else out
@@ -209,7 +210,7 @@ def emulate_fwd(qg, kg, w, u, gk, Aqk, scale, stages, nwg, mod=None, h0=None, ch
     tmas[param_address(2 * n_maps - 2)] = token_map(bo, o, 64)
     states = ((b0, Z), (bt, Z)) if state else None
     params = state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd, states,
-                          None if chunks is None else (bc, Z + 1))
+                          None if chunks is None else (bc, 2 * (Z + 1)))
     if table is not None:  # o as a plain tensor (pointer, T_raw and B as int32, B's stride), the table
         names = [n for n, _ in prog.params]
         po, pt = names[2 * n_maps + 4], names[2 * n_maps + 5]
@@ -261,7 +262,7 @@ def emulate_dhu(qg, kg, w, gk, do, Aqk, scale, stages, nwg, mod=None, dht=None, 
     tmas[param_address(2 * n_maps - 2)] = token_map(bv, dv2, 64)
     states = ((bt, Z), (b0, Z)) if state else None  # dht, dh0
     params = state_params(prog, 2 * n_maps, bg, T, B, HV, K, bd, states,
-                          None if chunks is None else (bc, Z + 1))
+                          None if chunks is None else (bc, 2 * (Z + 1)))
     if table is not None:  # (pointer, the dynamic NT)
         name = prog.params[2 * n_maps + 4][0]
         params[(name, 0)], params[(name, 8)] = btab, table.shape[0]

@@ -402,8 +402,9 @@ def _scan(kg, w, u, gk, initial_state, BT, dt, q=None, Aqk=None, scale=None, sto
 
 def _sequences(chunks: torch.Tensor, BT: int):
     """A chunk table's sequences: (n, first token, end token) of each, on the packed row (each
-    sequence padded to whole chunks: kda_chain.varlen's layout). Reads the table on the host."""
-    offs = [int(c) * BT for c in chunks.tolist()]
+    sequence padded to whole chunks: kda_chain.varlen's layout; row 0 of its [2, N + 1] table, the
+    chunk offsets: the walk order in row 1 changes nothing here). Reads the table on the host."""
+    offs = [int(c) * BT for c in chunks[0].tolist()]
     return [(n, offs[n], offs[n + 1]) for n in range(len(offs) - 1)]
 
 
@@ -438,9 +439,9 @@ def fwd_h(
     """The chunk state scan (fla: chunk_gated_delta_rule_fwd_h with gk).
 
     Returns h [B,NT,HV,K,V] in kg.dtype (h[:, c] = state entering chunk c), v_new = u - w h
-    [B,T,HV,V] in u.dtype, ht [B,HV,K,V] float32 or None. `chunks` (int32 [N + 1] chunk
-    offsets of packed sequences on a [1, T] row, the CuTe scans' table): one scan per sequence,
-    each from its own initial_state row; ht [N, HV, K, V]."""
+    [B,T,HV,V] in u.dtype, ht [B,HV,K,V] float32 or None. `chunks` (int32 [2, N + 1]: the
+    chunk offsets of packed sequences on a [1, T] row, then the walk order: the CuTe scans'
+    table): one scan per sequence, each from its own initial_state row; ht [N, HV, K, V]."""
     if chunks is not None:
         hs, vs, hts = [], [], []
         for n, a, b in _sequences(chunks, chunk_size):
