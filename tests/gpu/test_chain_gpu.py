@@ -28,6 +28,9 @@ SHAPES = {
     # fla's disable_recompute on both sides: the forward keeps w, u, qg, kg, h, v_new
     "disable_recompute": dict(B=2, T=4096, H=16, HV=16, K=128, V=128, dtype=torch.bfloat16, keep=True),
 }
+# The float64 reference at the reference shape (B16 T8192 V256) holds more than an 80 GB H100 has
+# (measured: out of memory at 78 GiB); on the H200 (139 GiB) it runs.
+NEEDS_BIG_CARD = {"ref": 120}
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
              output_final_state=True)
 _results: dict = {}
@@ -72,6 +75,11 @@ def test_chain_within_2x_of_fla_error(shape):
     from kda_chain import chunk_kda, dispatch_log, reset_dispatch_log
     from kda_cute.reference import chunk_kda_reference, rel_err
 
+    if shape in NEEDS_BIG_CARD:
+        total = torch.cuda.get_device_properties(0).total_memory
+        if total < NEEDS_BIG_CARD[shape] * 2**30:
+            pytest.skip(f"{shape}: the float64 reference needs a card of >= {NEEDS_BIG_CARD[shape]} GiB "
+                        f"(this one has {total / 2**30:.0f} GiB); it runs on the H200")
     x, cot = make(**SHAPES[shape])
     keep = dict(disable_recompute=True) if SHAPES[shape].get("keep") else {}
     reset_dispatch_log()
