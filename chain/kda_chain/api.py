@@ -7,7 +7,8 @@ use_graph) send the WHOLE call to fla, logged once and recorded as the range
 inputs, fla not importable), such a call raises rather than silently doing something else.
 
 A packed call (cu_seqlens) runs the chain on a row padded to whole chunks per sequence
-(`kda_chain.varlen`), in the range `kda::chunk_kda::packed`.
+(`kda_chain.varlen`), in the range `kda::chunk_kda::packed`; so does a dense call whose T is not a
+multiple of 64, its B rows as B packed sequences (`_ragged`, the range `kda::chunk_kda::ragged`).
 """
 
 from __future__ import annotations
@@ -197,10 +198,35 @@ def chunk_kda(
     args = (scale, output_final_state, chunk_size, use_qk_l2norm_in_kernel, use_gate_in_kernel,
             use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, disable_recompute)
     if cu_seqlens is not None:
+        offs = [int(x) for x in (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()]
+        _check(len(offs) == cu_seqlens.shape[0],
+               lambda: f"cu_seqlens_cpu has {len(offs)} offsets, cu_seqlens {cu_seqlens.shape[0]}")
+        _check_offsets(offs, q.shape[1])
         S.dispatch_log().append(S.Choice("chunk_kda", "packed", None))
         with stage_range("chunk_kda", "packed", None):
-            return _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
+            return _packed(cu_seqlens, offs, q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
+    if q.shape[1] % chunk_size:
+        return _ragged(q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
     return _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
+
+
+def _ragged(q, k, v, g, beta, A_log, dt_bias, initial_state, *args):
+    """A [B, T, ...] call whose T is not a multiple of the chunk: its B rows as B packed sequences
+    of T tokens each (the rows [1, B T, ...] are views of contiguous inputs; offsets 0, T, .., B T
+    known on the host: no sync), so the CuTe kernels' packed builds take it where the dense builds
+    refuse a ragged last chunk (before this, every stage but the L2 norm went to fla). o and the
+    gradients come back as [B, T, ...] views; the states are per row, [B, HV, K, V], as for the
+    dense call. Recorded as the range `kda::chunk_kda::ragged` (a routing, not a fallback). What
+    it costs beyond fla's layout: the saved q, k, Aqk, Akk (and gk without the gate in the op)
+    are on the padded row, 64 - T % 64 rows more per sequence (README, "Ragged T")."""
+    B, T = q.shape[:2]
+    offs = list(range(0, B * T + 1, T))
+    cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=q.device)
+    rows = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    S.dispatch_log().append(S.Choice("chunk_kda", "ragged", None))
+    with stage_range("chunk_kda", "ragged", None):
+        o, ht = _packed(cu, offs, *rows, A_log, dt_bias, initial_state, *args, share=False)
+    return o.view(B, T, *o.shape[2:]), ht
 
 
 def _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, chunk_size,
@@ -235,23 +261,22 @@ def _flags(q, scale, output_final_state, chunk_size, use_qk_l2norm_in_kernel, us
                  lower_bound=lower_bound, disable_recompute=bool(disable_recompute))
 
 
-def _packed(cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias, initial_state, *args):
+def _packed(cu_seqlens, offs, q, k, v, g, beta, A_log, dt_bias, initial_state, *args, share=True):
     """A packed call ([1, total_T, ...], offsets cu_seqlens, states [N, ...]) on the padded row of
     `kda_chain.varlen`, one chain call with the chunk table. Eager: `varlen.Native` (the CuTe
     kernels read the packed inputs and do, write o and the packed gradients: nothing gathered where
-    they all take the call); traced: the inputs packed, the custom ops, o unpacked (all differentiable). The
-    offsets are read on the host from cu_seqlens_cpu, else from cu_seqlens (a host sync on a GPU,
-    as fla's without cu_seqlens_cpu) and checked there."""
-    offs = [int(x) for x in (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()]
-    _check(len(offs) == cu_seqlens.shape[0],
-           lambda: f"cu_seqlens_cpu has {len(offs)} offsets, cu_seqlens {cu_seqlens.shape[0]}")
-    _check_offsets(offs, q.shape[1])
-    p = varlen.packing_of(cu_seqlens, offs, host=op._eager(q))  # (kept while cu_seqlens lives)
+    they all take the call); traced: the inputs packed, the custom ops, o unpacked (all differentiable).
+    offs: the offsets on the host (the caller's: from cu_seqlens_cpu, else one read of cu_seqlens,
+    a host sync on a GPU as fla's without cu_seqlens_cpu; checked). share: keep the layout while
+    the caller's cu_seqlens lives (`varlen.packing_of`; not for `_ragged`'s own offsets)."""
+    eager = op._eager(q)
+    build = varlen.packing_of if share else varlen.packing
+    p = build(cu_seqlens, offs, host=eager)
     if p.T_pad == q.shape[1]:  # every sequence whole chunks: the row is already the padded layout
         S.varlen_rows("native")  # (in place: nothing to gather)
         o, ht = _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args, chunks=p.chunks)
         return o[:1], ht  # (every sequence empty: _dense answered per sequence, o [N, 0, ...])
-    if op._eager(q):  # the packed row read and written in place (varlen.Native)
+    if eager:  # the packed row read and written in place (varlen.Native)
         f = _flags(q, *args)
         q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, initial_state)
         o, ht = varlen.Native.apply(q, k, v, g, beta, A_log, dt_bias, h0, f, p)
@@ -267,9 +292,12 @@ def is_supported(q: torch.Tensor, v: torch.Tensor | None = None, **flags) -> dic
     """Per CuTe stage, None if its kernel would run for inputs like these, else the reason.
 
     Answers from each stage's gate on meta tensors of the shapes a chain call passes (no memory is
-    allocated), standing for tensors on q's device. q and v may be meta tensors themselves.
+    allocated), standing for tensors on q's device. q and v may be meta tensors themselves. A T
+    that is not a multiple of 64 is asked as the padded row's whole chunks (`_ragged`: the call
+    runs as B packed sequences; the kernels' packed builds take what their padded builds take).
     """
     B, T, H, K = q.shape
+    T = -(-T // 64) * 64
     HV, V = (v.shape[2], v.shape[3]) if v is not None else (H, K)
     reason = _delegated_reason(
         chunk_size=flags.get("chunk_size", 64), safe_gate=flags.get("safe_gate", False),

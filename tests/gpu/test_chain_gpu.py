@@ -31,6 +31,8 @@ SHAPES = {
 # The float64 reference at the reference shape (B16 T8192 V256) holds more than an 80 GB H100 has
 # (measured: out of memory at 78 GiB); on the H200 (139 GiB) it runs.
 NEEDS_BIG_CARD = {"ref": 120}
+# the six CuTe kernels a ragged-T call runs through its rows' chunk table (api._ragged)
+CUTE_RAGGED = ("fwd_prep", "fwd", "bwd_prep", "b1", "dhu", "bwd_chunk")
 FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
              output_final_state=True)
 _results: dict = {}
@@ -95,6 +97,10 @@ def test_chain_within_2x_of_fla_error(shape):
         assert torch.isfinite(ours[name]).all(), f"{name}: non-finite values"
         e_ours, e_fla = rel_err(ours[name], want), rel_err(fla[name], want)
         rows[name] = (e_ours, e_fla)
+    if shape == "ragged_T":  # T % 64 != 0: the rows as packed sequences, every CuTe kernel taking them
+        assert choices.get("chunk_kda", ("none",))[0] == "ragged", choices
+        missed = {st: choices.get(st) for st in CUTE_RAGGED if choices.get(st, ("none",))[0] != "cute"}
+        assert not missed, f"ragged T: CuTe stages passed over: {missed}"
     _results[shape] = {"errors": rows, "stages": choices}
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "chain_errors.json"), "w") as f:
@@ -153,3 +159,45 @@ def test_saved_activations_no_more_than_fla(keep, pregate):
     assert abs(ours[1] - ours[0]) <= slack, f"a second call holds {ours[1]} B, the first {ours[0]} B"
     o1, o2 = (forward(chunk_kda, x)[0] for _ in range(2))  # both alive: a cached output would alias
     assert o1.data_ptr() != o2.data_ptr(), "outputs must be fresh per call, never cache-owned"
+
+
+def _peak_of_step(fn, x, cot):
+    """Bytes above the inputs at the peak of one fwd+bwd (the caching allocator's peak)."""
+    import gc
+
+    leaves = {n: t.detach().requires_grad_(True) for n, t in x.items()}
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o, ht = forward(fn, leaves)
+    ((o * cot["do"]).sum() + (ht * cot["dht"]).sum()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del o, ht, leaves
+    gc.collect()
+    return peak
+
+
+def test_ragged_T_memory_against_fla():
+    """A ragged T (B2 T1000: the rows run as packed sequences, api._ragged) keeps its saved q, k,
+    Aqk, Akk on the padded row: the bytes held for the backward may exceed fla's by at most the
+    pad rows' share (T_pad / T), and the peak of a whole fwd+bwd stays no higher than fla's (fla's
+    backward holds fp32 intermediates the fused kernels never write). Both go to $OUT/memory.json."""
+    from fla.ops.kda import chunk_kda as fla_kda
+    from kda_chain import chunk_kda
+
+    B, T = 2, 1000
+    x, cot = make(B=B, T=T, H=16, HV=16, K=128, V=128, dtype=torch.bfloat16)
+    held = {n: _held_after_forward(fn, x) for n, fn in (("ours", chunk_kda), ("fla", fla_kda))}
+    peak = {n: _peak_of_step(fn, x, cot) for n, fn in (("ours", chunk_kda), ("fla", fla_kda))}
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "memory.json")
+        rec = json.load(open(path)) if os.path.exists(path) else {}
+        rec["ragged_T1000"] = {"held": held, "peak": peak}
+        with open(path, "w") as f:
+            json.dump(rec, f, indent=1)
+    slack = 1 << 20
+    T_pad = -(-T // 64) * 64
+    assert held["ours"] <= held["fla"] * T_pad / T + slack, held
+    assert peak["ours"] <= peak["fla"] + slack, peak

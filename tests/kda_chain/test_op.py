@@ -119,6 +119,13 @@ def test_saved_outputs_take_no_gradient():
     assert not dq.any() and torch.isfinite(dk).all() and dk.abs().sum() > 0
 
 
+def _under_views(fn) -> str:
+    """The autograd node's class name below any chain of view nodes."""
+    while type(fn).__name__ == "ViewBackward0":
+        fn = fn.next_functions[0][0]
+    return type(fn).__name__
+
+
 @pytest.mark.parametrize("case", ["gate_l2norm_h0", "disable_recompute_gva"])
 def test_eager_path_equals_the_custom_op(case, monkeypatch):
     """An eager call goes through `_Eager` (no custom-op dispatch), a traced one through the ops:
@@ -136,6 +143,9 @@ def test_eager_path_equals_the_custom_op(case, monkeypatch):
     fn_eager, eager = run()
     monkeypatch.setattr(kop, "_eager", lambda q: False)
     fn_op, op = run()
-    assert type(fn_eager).__name__ == "_EagerBackward" and type(fn_op).__name__ != "_EagerBackward"
+    # (T % 64 != 0: the rows run as packed sequences, eagerly through varlen.Native, below o's view)
+    eager_fn = "NativeBackward" if T % 64 else "_EagerBackward"
+    assert _under_views(fn_eager) == eager_fn
+    assert _under_views(fn_op) not in ("_EagerBackward", "NativeBackward")
     for a, b in zip(eager, op, strict=True):
         assert torch.equal(a, b)

@@ -311,3 +311,76 @@ def test_the_packing_is_kept_while_its_cu_seqlens_lives():
     del cu, other
     gc.collect()
     assert len(varlen._BY_CU) == n - 2
+
+
+@pytest.mark.parametrize("T, h0", [(100, True), (1, True), (130, False)])
+def test_ragged_T_runs_its_rows_as_packed_sequences(T, h0):
+    """A dense [B, T, ...] call with T % 64 != 0 runs as B packed sequences of T tokens
+    (api._ragged: recorded `chunk_kda ragged`, then the packed path): o [B, T, HV, V], ht
+    [B, HV, K, V] and every gradient (in its input's shape) equal the token recurrence's on the
+    dense inputs to float64 rounding (GVA, gate / l2norm / beta sigmoid in the op)."""
+    from kda_cute.reference import naive_kda
+
+    B, H, HV, K, V = 3, 2, 4, 16, 8
+    gen = torch.Generator().manual_seed(T)
+
+    def r(*s, sc=1.0):
+        return (torch.randn(*s, generator=gen, dtype=D) * sc).requires_grad_(True)
+
+    x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=r(B, T, HV, K), beta=r(B, T, HV),
+             A_log=r(HV, sc=0.5), dt_bias=r(HV * K, sc=0.1), h0=r(B, HV, K, V) if h0 else None)
+
+    def run(fn):
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+                  A_log=x["A_log"], dt_bias=x["dt_bias"], **FLAGS)
+
+    reset_dispatch_log()
+    o, ht = run(chunk_kda)
+    impls = {(c.stage, c.impl) for c in dispatch_log()}
+    assert ("chunk_kda", "ragged") in impls and ("chunk_kda", "packed") not in impls, impls
+    wo, wht = run(naive_kda)
+    assert o.shape == (B, T, HV, V) and ht.shape == (B, HV, K, V)
+    assert rel_err(o, wo) < 1e-10 and rel_err(ht, wht) < 1e-10
+    got, want = _grads(x, o, ht), _grads(x, wo, wht)
+    for name in want:
+        assert got[name].shape == x[name].shape, name
+        assert rel_err(got[name], want[name]) < 1e-9, name
+
+
+def test_ragged_T_goes_native_through_the_cute_kernels(monkeypatch):
+    """On the chain's CuTe path (kernels stubbed), a dense bf16 call at B2 T1000 (a ragged last
+    chunk, which every dense build refuses) runs all six CuTe kernels on its rows as packed
+    sequences, each with the chunk table, nothing gathered, no CuTe stage passed over; the
+    gradients come back in the inputs' shapes and dtypes."""
+    pytest.importorskip("cutlass.cute")
+    from kda_chain import stages as S
+    from kda_chain import varlen
+    from kda_chain.testing import stub_device
+
+    stub_device(monkeypatch.setattr)
+    S.clear_gate_cache()
+    gathers = []
+    real = varlen._gather
+    monkeypatch.setattr(varlen, "_gather",
+                        lambda x, *a, **k: gathers.append(tuple(x.shape)) or real(x, *a, **k))
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 2, 1000, 16, 128, 128
+
+    def r(*s, dt=torch.bfloat16):
+        return torch.randn(*s, generator=gen).to(dt).requires_grad_(True)
+
+    x = [r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H, K), r(B, T, H)]
+    A_log, dt_bias = r(H, dt=torch.float32), r(H * K, dt=torch.float32)
+    h0 = r(B, H, K, V, dt=torch.float32)
+    reset_dispatch_log()
+    o, ht = chunk_kda(*x, initial_state=h0, output_final_state=True, A_log=A_log, dt_bias=dt_bias, **FLAGS)
+    (o.float().sum() + ht.sum()).backward()
+    assert o.shape == (B, T, H, V) and ht.shape == (B, H, K, V)
+    for t in (*x, A_log, dt_bias, h0):
+        assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
+    ran = {(c.stage, c.impl, c.reason) for c in dispatch_log()}
+    want = {(st, "cute", None) for st in ("fwd_prep", "fwd", "bwd_prep", "b1", "dhu", "bwd_chunk")}
+    assert want <= ran, ran
+    assert {c.impl for c in dispatch_log() if c.stage in S.CUTE_STAGES} == {"cute"}, ran
+    assert [c.impl for c in dispatch_log() if c.stage == "varlen_io"] == ["native"] * 5
+    assert gathers == [], "nothing gathered"
