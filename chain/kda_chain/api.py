@@ -13,6 +13,7 @@ multiple of 64, its B rows as B packed sequences (`_ragged`, the range `kda::chu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -202,12 +203,21 @@ def chunk_kda(
         _check(len(offs) == cu_seqlens.shape[0],
                lambda: f"cu_seqlens_cpu has {len(offs)} offsets, cu_seqlens {cu_seqlens.shape[0]}")
         _check_offsets(offs, q.shape[1])
-        S.dispatch_log().append(S.Choice("chunk_kda", "packed", None))
-        with stage_range("chunk_kda", "packed", None):
+        with _routed("packed"):
             return _packed(cu_seqlens, offs, q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
     if q.shape[1] % chunk_size:
         return _ragged(q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
     return _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
+
+
+def _routed(impl: str):
+    """The record of a call's route (`chunk_kda` `packed` / `ragged`, no reason: not a fallback):
+    the dispatch log and the profiler range around the block; nothing while torch.compile traces
+    (the custom ops inside are the graph's nodes; a range object is not traceable)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    S.dispatch_log().append(S.Choice("chunk_kda", impl, None))
+    return stage_range("chunk_kda", impl, None)
 
 
 def _ragged(q, k, v, g, beta, A_log, dt_bias, initial_state, *args):
@@ -223,8 +233,7 @@ def _ragged(q, k, v, g, beta, A_log, dt_bias, initial_state, *args):
     offs = list(range(0, B * T + 1, T))
     cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=q.device)
     rows = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-    S.dispatch_log().append(S.Choice("chunk_kda", "ragged", None))
-    with stage_range("chunk_kda", "ragged", None):
+    with _routed("ragged"):
         o, ht = _packed(cu, offs, *rows, A_log, dt_bias, initial_state, *args, share=False)
     return o.view(B, T, *o.shape[2:]), ht
 

@@ -223,41 +223,45 @@ def _gather(x: torch.Tensor, rows: torch.Tensor, pad=None, fill: float = 0.0) ->
 
 
 class _Pack(torch.autograd.Function):
-    """x [1, T, ...] -> the padded row [1, T_pad, ...]; its gradient gathers the rows back."""
+    """x [1, T, ...] -> the padded row [1, T_pad, ...]; its gradient gathers the rows back. The
+    rows come as arguments, not through the Packing (whose lazily built rows would be a side
+    effect torch.compile cannot trace inside the backward)."""
 
     @staticmethod
-    def forward(ctx, x, p: Packing, fill: float):
-        ctx.p = p
-        return _gather(x, p.source, p.pad, fill)
+    def forward(ctx, x, index, source, pad, fill: float):
+        ctx.save_for_backward(index)
+        return _gather(x, source, pad, fill)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.p.index), None, None
+        (index,) = ctx.saved_tensors
+        return _gather(g, index), None, None, None, None
 
 
 class _Unpack(torch.autograd.Function):
     """The padded row [1, T_pad, ...] -> [1, T, ...] (pad rows dropped); its gradient is a pack
-    with zeros in the pad rows."""
+    with zeros in the pad rows (the rows as arguments: `_Pack`)."""
 
     @staticmethod
-    def forward(ctx, y, p: Packing):
-        ctx.p = p
-        return _gather(y, p.index)
+    def forward(ctx, y, index, source, pad):
+        ctx.save_for_backward(source, pad)
+        return _gather(y, index)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.p.source, ctx.p.pad, 0.0), None
+        source, pad = ctx.saved_tensors
+        return _gather(g, source, pad, 0.0), None, None, None
 
 
 def pack(x: torch.Tensor, p: Packing, fill: float = 0.0, dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [1, total_T, ...] -> [1, T_pad, ...] (pad rows = `fill`; in `dtype` if given), differentiable."""
     x = x if dtype is None else x.to(dtype)
-    return _Pack.apply(x, p, fill)
+    return _Pack.apply(x, p.index, p.source, p.pad, fill)
 
 
 def unpack(y: torch.Tensor, p: Packing) -> torch.Tensor:
     """y [1, T_pad, ...] -> [1, total_T, ...] (the pad rows dropped), differentiable."""
-    return _Unpack.apply(y, p)
+    return _Unpack.apply(y, p.index, p.source, p.pad)
 
 
 def gate_fill(g_dtype: torch.dtype, use_gate_in_kernel: bool, lower_bound,

@@ -86,12 +86,13 @@ def test_opcheck(case):
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
-def test_torch_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("T", [64, 100])  # 100: a ragged T, its rows traced as packed sequences
+def test_torch_compile_fullgraph_matches_eager(T):
     from kda_chain.model import TinyKDALM
 
     torch.manual_seed(0)
     model = TinyKDALM(vocab=64, d=32, layers=2, H=2, HV=4, K=16, V=16, op=chunk_kda)
-    tokens = torch.randint(0, 64, (2, 65))
+    tokens = torch.randint(0, 64, (2, T + 1))
     ref = model.loss(tokens)
     ref.backward()
     want = [p.grad.clone() for p in model.parameters()]
