@@ -6,7 +6,9 @@
     uv run python bench/chart.py .benchmarks/<machine>/<run>.json   # table + PNG chart
 
 Shapes: `--bench-shapes ref,small` (default both). ref = B16 T8192 H=HV=16 K128 V256 bf16 (the
-shape fla's numbers in CHAIN.md are quoted at); small = B2 T4096 H=HV=16 K128 V128 bf16.
+shape fla's numbers in CHAIN.md are quoted at); small = B2 T4096 H=HV=16 K128 V128 bf16; ragged =
+B2 T4000 (small's heads, a ragged last chunk: the rows run as packed sequences, api._ragged; not
+in the default set: `--bench-shapes ragged`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 SHAPES = {
     "ref": dict(B=16, T=8192, H=16, HV=16, K=128, V=256),
     "small": dict(B=2, T=4096, H=16, HV=16, K=128, V=128),
+    "ragged": dict(B=2, T=4000, H=16, HV=16, K=128, V=128),
 }
 
 

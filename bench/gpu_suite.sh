@@ -80,7 +80,7 @@ for s in $steps; do
       step gpu_tests_fp16 ${FP16_LIMIT:-450} python -m pytest -p no:cacheprovider -v --timeout=420 tests/gpu -k gva_fp16 ;;
     bench)
       step bench ${BENCH_LIMIT:-300} python -m pytest -p no:cacheprovider -q bench --benchmark-json="$OUT/bench.json" \
-        --benchmark-columns=median,iqr,rounds ;;
+        --benchmark-columns=median,iqr,rounds --bench-shapes ${BENCH_SHAPES:-ref,small} ;;
     shared)  # two processes on one GPU at once (cold compiles, opposite shape orders) vs one alone
       step shared_gpu ${SHARED_LIMIT:-240} python bench/shared_gpu.py --out "$OUT/shared" ;;
     peer)  # ours, fla, cuDNN (when .dev-p travelled) and attn-gym side by side on the peers' inputs
