@@ -205,7 +205,7 @@ def chunk_kda(
         _check_offsets(offs, q.shape[1])
         with _routed("packed"):
             return _packed(cu_seqlens, offs, q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
-    if q.shape[1] % chunk_size:
+    if q.shape[1] % chunk_size and op._eager(q):  # (traced: the dense custom ops, any T, symbolic too)
         return _ragged(q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
     return _dense(q, k, v, g, beta, A_log, dt_bias, initial_state, *args)
 

@@ -86,7 +86,7 @@ def test_opcheck(case):
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
-@pytest.mark.parametrize("T", [64, 100])  # 100: a ragged T, its rows traced as packed sequences
+@pytest.mark.parametrize("T", [64, 100])  # 100: a ragged T (traced: the dense custom ops)
 def test_torch_compile_fullgraph_matches_eager(T):
     from kda_chain.model import TinyKDALM
 
@@ -120,14 +120,8 @@ def test_saved_outputs_take_no_gradient():
     assert not dq.any() and torch.isfinite(dk).all() and dk.abs().sum() > 0
 
 
-def _under_views(fn) -> str:
-    """The autograd node's class name below any chain of view nodes."""
-    while type(fn).__name__ == "ViewBackward0":
-        fn = fn.next_functions[0][0]
-    return type(fn).__name__
-
-
-@pytest.mark.parametrize("case", ["gate_l2norm_h0", "disable_recompute_gva"])
+# (whole chunks: an eager ragged T takes the packed route, api._ragged, a traced one the dense ops)
+@pytest.mark.parametrize("case", ["gate_l2norm_h0", "gva_lower_bound"])
 def test_eager_path_equals_the_custom_op(case, monkeypatch):
     """An eager call goes through `_Eager` (no custom-op dispatch), a traced one through the ops:
     the same bodies, so outputs and every gradient are bitwise equal."""
@@ -144,9 +138,6 @@ def test_eager_path_equals_the_custom_op(case, monkeypatch):
     fn_eager, eager = run()
     monkeypatch.setattr(kop, "_eager", lambda q: False)
     fn_op, op = run()
-    # (T % 64 != 0: the rows run as packed sequences, eagerly through varlen.Native, below o's view)
-    eager_fn = "NativeBackward" if T % 64 else "_EagerBackward"
-    assert _under_views(fn_eager) == eager_fn
-    assert _under_views(fn_op) not in ("_EagerBackward", "NativeBackward")
+    assert type(fn_eager).__name__ == "_EagerBackward" and type(fn_op).__name__ != "_EagerBackward"
     for a, b in zip(eager, op, strict=True):
         assert torch.equal(a, b)

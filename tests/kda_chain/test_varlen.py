@@ -384,3 +384,16 @@ def test_ragged_T_goes_native_through_the_cute_kernels(monkeypatch):
     assert {c.impl for c in dispatch_log() if c.stage in S.CUTE_STAGES} == {"cute"}, ran
     assert [c.impl for c in dispatch_log() if c.stage == "varlen_io"] == ["native"] * 5
     assert gathers == [], "nothing gathered"
+
+
+def test_ragged_T_output_can_be_changed_in_place():
+    """o of a ragged-T call (gathered off the padded row here: the reference stages) is no view
+    autograd forbids changing: an in-place op on it and a backward through it work, as on the
+    dense path."""
+    shapes = (("q", (2, 100, 1, 16)), ("k", (2, 100, 1, 16)), ("v", (2, 100, 1, 8)), ("beta", (2, 100, 1)))
+    x = {n: torch.randn(*s, dtype=D).requires_grad_(True) for n, s in shapes}
+    g = torch.nn.functional.logsigmoid(torch.randn(2, 100, 1, 16, dtype=D)).requires_grad_(True)
+    o, _ = chunk_kda(x["q"], x["k"], x["v"], g, x["beta"].sigmoid(), use_qk_l2norm_in_kernel=True)
+    o.mul_(2)
+    o.sum().backward()
+    assert all(t.grad is not None for t in (*x.values(), g))
