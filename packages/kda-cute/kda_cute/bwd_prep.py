@@ -11,11 +11,18 @@ bitwise what the forward's kda_cute_prep computed (same code, same roundings), s
 sees the forward's factors exactly, as fla's recompute does.
 
 The kernel is kda_cute_prep's class compiled with `recompute=True` (kda_cute.prep's docstring has
-the CTA decomposition, layouts and phases): phase 0 (q, k and Akk by cp.async, under them the gate
-and its cumsum; gk, kg, qg out), then phases 3-4 without the solve (bf16(beta k E) over q, w and u
-on bf16 mma.sync with the Akk tile as the A operand). No Aqk, no L, no X: about a third of the
-forward kernel's instructions. This module is the stage's host side; the device code is shared
-with kda_cute_prep by construction (one class, two entry points), so the two cannot drift.
+the forward's layouts and phases), with a body of its own (`_recompute`) that keeps none of the
+forward's q, k, g tiles: grid (T / 64, HV, B), 256 threads, 46 KB of smem (Akk's tile, a 2-stage
+V ring, bf16(beta k E), the gate's row-group totals, beta) and 80 registers, so three CTAs share
+an SM (the forward's body: 105 KB, two). Each thread owns the gate's rows 8 (t / 32) .. + 7 at
+columns 4 (t % 32) .. + 3 and keeps their gk in registers (the forward's gate and cumsum code, or
+the forward's gk by 16-byte loads); q, k come straight from global by 8-byte loads (four rows at a
+time, the first four under the gate's barrier), kg and qg go out from registers; then the
+forward's phase 4 (`_wu`: w and u on bf16 mma.sync with the Akk tile as the A operand). Akk and
+the first two V tiles load by cp.async under the gate. Every value is the forward's expression in
+its order, so w, u, qg, kg and gk equal the forward's bit for bit (the PTX interpreter checks
+it). No Aqk, no L, no solve. This module is the stage's host side; the device code is in
+kda_cute.prep's class (one class, two entry points, phase 4 shared), so the two cannot drift.
 
 Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, gate in the op):
 
@@ -31,8 +38,8 @@ docs/perf/prep.md), 1.829 vs 1.815 at B16 T8192 H16 K=V=128 (0.99x), 0.150 vs 0.
 bandwidth). Every output's error vs float64 at or below fla's, bitwise repeatable.
 
 With the forward's gk given (`gk=`: no gate in the op, where fla keeps gk for the backward too and
-the chain does the same) phase 0 reads it into the g tile by cp.async with q, k and Akk: no gate,
-no cumsum, no gk written (1.07 GB less at B16 T8192 H16 K128), the other outputs bitwise the same
+the chain does the same) each thread loads its rows of it into registers (16-byte loads, and gk's
+last row for kg): no gate, no cumsum, no gk written (1.07 GB less at B16 T8192 H16 K128), the other outputs bitwise the same
 (the forward wrote that gk); gk is returned as given.
 
 Packed sequences (a chunk `table`, kda_chain.varlen's: the varlen build): v, beta and the raw gate

@@ -163,6 +163,7 @@ class KdaPrep:
                  gate: str, has_bias: bool, lower_bound: float, recompute: bool = False,
                  l2norm: bool = False, gk_in: bool = False, varlen: bool = False, g_fill: float = 0.0):
         self.recompute = recompute  # kda_cute_bwd_prep: Akk read, not solved (module kda_cute.bwd_prep)
+        self.ctas_per_sm = 3 if recompute else 2  # the recompute's 46 KB and <= 80 registers allow three
         # bwd_prep with the forward's gk given (no gate in the op: fla keeps gk then): gk read into
         # the g tile by cp.async with q, k; no gate, no cumsum, no gk written
         self.gk_in = gk_in and recompute
@@ -239,6 +240,16 @@ def _build_kernel_class():
         same_quad = 1 - (qm + qn - 2 * qm * qn)
         return same_half * ((1 - hm) + hm * same_quad)
 
+    def _st8(io, tidx):
+        """16-byte stores of 8 x 16-bit values (smem / gmem rows of a (rows, 64 or K) tile): the
+        tiled copy and this thread's slice."""
+        st8 = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io, num_bits_per_copy=128),
+            cute.make_layout((THREADS // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 8)),
+        )
+        return st8, st8.get_slice(tidx)
+
     class _Kernel(KdaPrep):
         @cute.jit
         def __call__(
@@ -275,7 +286,7 @@ def _build_kernel_class():
                 kernel = self.kda_cute_bwd_prep(*args)
             else:
                 kernel = self.kda_cute_prep(*args)
-            kernel.launch(grid=(NT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=2,
+            kernel.launch(grid=(NT, HV, B), block=[THREADS, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
                           preferred_smem_carveout=100, stream=stream)
 
         @cute.jit
@@ -394,14 +405,16 @@ def _build_kernel_class():
             sL[rr, ss] = ((ak[0] + ak[1]) + (ak[2] + ak[3])) * sBeta[rr]
 
         @cute.jit
-        def _gate_rows(self, mG, mAlog, mBias, sTot4, run, b, hv, row0, t, raw0, nv):
+        def _gate_rows(self, mG, mAlog, mBias, sTot4, run, b, hv, row0, t, raw0, nv,
+                       every: cutlass.Constexpr):
             """Columns 4 (t % 32) .. + 3 and rows RG (t / 32) .. + RG - 1 of the chunk (RG = 8: a warp
             per row group, a lane per 4 columns, so each of the thread's row loads is one 8-byte
             (bf16 / fp16) or 16-byte (fp32) vector and a warp's load is one whole row): the step
             gate in fp32 (fla's kda_gate_chunk_cumsum: softplus: -exp(A_log) softplus(g + dt_bias);
             lower_bound: lower_bound sigmoid(exp(A_log) (g + dt_bias)); none: g itself) and its
             running sum down the thread's rows -> run[i, x] (registers); the group's totals -> sTot4
-            (groups 0 .. NRG - 2: the last one's is never read). varlen: row r reads raw row raw0 +
+            (groups 0 .. NRG - 2; with `every` the last one's too, for the recompute's gl). varlen:
+            row r reads raw row raw0 +
             min(r, nv - 1) (always a row of the chunk's own sequence: no load leaves the row); a pad row
             r >= nv then takes the chain's pad gate `g_fill` in g's dtype (so its step gate is the
             padded path's bitwise: 0, or -0 in the gate forms)."""
@@ -446,15 +459,17 @@ def _build_kernel_class():
                         y = self.lower_bound / (1.0 + _exp2(-(ea * (y + bias[x])) * LOG2E))
                     acc = acc + y
                     run[i, x] = acc
-            if rg < NRG - 1:
+            if cutlass.const_expr(every):
+                sTot4[rg, cg, None].store(run[RG - 1, None].load())
+            elif rg < NRG - 1:
                 sTot4[rg, cg, None].store(run[RG - 1, None].load())
 
         @cute.jit
         def _gate_join(self, sG4, sTot4, run, mGk, b, hv, row0, t):
             """gk = (the thread's running sums plus the totals of the row groups above it, added in
             group order 0, 1, ..) / ln 2 (fla's RCP_LN2 scale after the cumsum): into sG (the log2
-            cumsum the phases below read) and out to gk (16-byte rows), for the scan and the
-            backward."""
+            cumsum the phases below read; sG4 None: into `run` in place, the recompute keeps it in
+            registers) and out to gk (16-byte rows), for the scan and the backward."""
             cg = t % CG
             rg = t // CG
             rowv = cute.make_layout((self.K // 4, 4), stride=(4, 1))
@@ -471,8 +486,27 @@ def _build_kernel_class():
                 for x in cutlass.range_constexpr(4):
                     gv[x] = (run[i, x] + off[x]) * (1.0 / LN2)
                 vec = gv.load()
-                sG4[r, cg, None].store(vec)
+                if cutlass.const_expr(sG4 is None):
+                    run[i, None].store(vec)
+                else:
+                    sG4[r, cg, None].store(vec)
                 cute.make_tensor(mGk[b, row0 + r, hv, None].iterator, rowv)[cg, None].store(vec)
+
+        @cute.jit
+        def _gate_last(self, sTot4, gl, t):
+            """gl = gk at the chunk's last row for the thread's 4 columns, from all NRG row groups'
+            totals: (the last group's total + the others' summed in group order) / ln 2, the very
+            operations by which `_gate_join` gives the last group's threads that row (bitwise)."""
+            cg = t % CG
+            off = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            off.fill(0.0)
+            for j in cutlass.range_constexpr(NRG - 1):
+                tv = sTot4[j, cg, None].load()
+                for x in cutlass.range_constexpr(4):
+                    off[x] = off[x] + tv[x]
+            tl = sTot4[NRG - 1, cg, None].load()
+            for x in cutlass.range_constexpr(4):
+                gl[x] = (tl[x] + off[x]) * (1.0 / LN2)
 
         @cute.jit
         def _l2norm_rows(self, sX, mY, mR, b, h, row0, wid, lane, writer):
@@ -566,11 +600,9 @@ def _build_kernel_class():
                               mU: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor, mAqk: cute.Tensor,
                               mAkk: cute.Tensor, mGk: cute.Tensor, mQn: cute.Tensor, mKn: cute.Tensor,
                               mQr: cute.Tensor, mKr: cute.Tensor, mTable: cute.Tensor):
-            """The backward's recompute (kda_cute.bwd_prep): phases 0, 3 (without the solve's
-            outputs) and 4 with Akk read into the A operand's tile (no L2 norm: the rstd and
-            normalized q, k slots are stand-ins, untouched; varlen: v, g, beta on the raw row)."""
-            self._body(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn, mQr,
-                       mKr, mTable)
+            """The backward's recompute (kda_cute.bwd_prep): `_recompute` (the Aqk, normalized q, k and
+            rstd slots are stand-ins, untouched; varlen: v, g, beta on the raw row)."""
+            self._recompute(mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAkk, mGk, mTable)
 
         @cute.jit
         def _body(self, mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAqk, mAkk, mGk, mQn, mKn,
@@ -632,14 +664,11 @@ def _build_kernel_class():
             sT = smem.allocate_tensor(f32, cute.make_layout((3, BC, BC), stride=(BC * BC, BC, 1)), 16)
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
             sKE = cute.make_tensor(sQ.iterator, lk)  # bf16(beta k exp2(g)): w's B operand
-            # the gate's row-group totals (phase 0) in L's second half: L is first written in phase
-            # 1; in the recompute its first half is Akk's tile (sAb) and the rest is never used
+            # the gate's row-group totals (phase 0) in L's second half: L is first written in phase 1
             sTot4 = cute.make_tensor(sL.iterator + BT * BT // 2,
                                      cute.make_layout((NRG - 1, K // 4, 4), stride=(K, 4, 1)))
-            # the V ring: over g (dead after phase 3) in the forward; over X (never used) in the
-            # recompute, so its first tiles load under phase 0
-            ring = sX.iterator if cutlass.const_expr(self.recompute) else sG.iterator
-            sV = cute.make_tensor(cute.recast_ptr(ring, dtype=io), l64s)
+            # the V ring, over g (dead in phase 4)
+            sV = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=io), l64s)
             sAb = cute.make_tensor(cute.recast_ptr(sL.iterator, dtype=io), l64)  # bf16(X): A operand
             sAqk = cute.make_tensor(cute.recast_ptr(sX.iterator, dtype=io),
                                     cute.make_layout((BT, BT), stride=(AS, 1)))
@@ -657,19 +686,12 @@ def _build_kernel_class():
 
             # ---------------- phase 0: cp.async q, k (16 bytes per thread per copy); under them
             # the gate and its chunk-local cumsum (fla's gate_chunk_cumsum) into sG and out as gk
-            cp_io, cp_f32 = _warp.cp_async_copies(io, THREADS)
+            cp_io, _ = _warp.cp_async_copies(io, THREADS)
             tio = cp_io.get_slice(tidx)
             tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
+            cVio = None
             if cutlass.const_expr(self.varlen):
                 cVio = tio.partition_S(cute.make_identity_tensor((BT, BV)))
-
-            def load_v(iv, st):  # V tile iv into ring stage st (varlen: its pad rows +0, never loaded)
-                if cutlass.const_expr(self.varlen):
-                    _warp.rows_async(cp_io, tVg[None, None, None, iv], tVs[None, None, None, st], cVio, nv)
-                else:
-                    cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, st])
-                cute.arch.cp_async_commit_group()
-                groups.append(iv)
 
             if cutlass.const_expr(self.qk_raw):
                 cQK = tio.partition_S(cute.make_identity_tensor((BT, K)))
@@ -678,46 +700,21 @@ def _build_kernel_class():
             else:
                 cute.copy(cp_io, tio.partition_S(gQ), tio.partition_D(sQ))
                 cute.copy(cp_io, tio.partition_S(gK), tio.partition_D(sK))
-            if cutlass.const_expr(self.recompute):  # Akk is given: straight into the A operand's tile
-                cute.copy(cp_io, tio.partition_S(gAkk), tio.partition_D(sAb))
-            if cutlass.const_expr(self.gk_in):  # the forward's gk: the g tile as it is
-                tgk = cp_f32.get_slice(tidx)
-                gGk = cute.local_tile(mGk[b, None, hv, None], (BT, K), (t_idx, 0))
-                cute.copy(cp_f32, tgk.partition_S(gGk), tgk.partition_D(sG))
             cute.arch.cp_async_commit_group()
             groups = []  # the V ring's cp.async groups in issue order (counted at trace time)
-            if cutlass.const_expr(self.recompute):
-                for iv in cutlass.range_constexpr(min(STAGES, NV)):
-                    load_v(iv, iv)
-            if cutlass.const_expr(self.varlen):  # pad rows: beta = 0
-                if tidx < BT:
-                    bt = self.beta_dtype(0.0)
-                    if tidx < nv:
-                        bt = mBeta[b, raw0 + tidx, hv]
-                    sBeta[tidx] = f32(bt)
-            elif tidx < BT:
-                sBeta[tidx] = f32(mBeta[b, row0 + tidx, hv])
-            if cutlass.const_expr(not self.gk_in):
-                grun = cute.make_rmem_tensor(cute.make_layout((RG, 4), stride=(4, 1)), f32)
-                self._gate_rows(mG, mAlog, mBias, sTot4, grun, b, hv, row0, tidx, raw0, nv)
-            cute.arch.cp_async_wait_group(len(groups))  # q, k (and Akk, gk); not the V tiles
+            self._beta_rows(mBeta, sBeta, b, hv, row0, raw0, nv, tidx)
+            grun = cute.make_rmem_tensor(cute.make_layout((RG, 4), stride=(4, 1)), f32)
+            self._gate_rows(mG, mAlog, mBias, sTot4, grun, b, hv, row0, tidx, raw0, nv, False)
+            cute.arch.cp_async_wait_group(0)  # q, k
             cute.arch.sync_threads()
-            if cutlass.const_expr(not self.gk_in):
-                self._gate_join(sG4, sTot4, grun, mGk, b, hv, row0, tidx)
+            self._gate_join(sG4, sTot4, grun, mGk, b, hv, row0, tidx)
             if cutlass.const_expr(self.l2norm):  # q, k normalized in place (before any reader: the barrier)
                 writer = hv % self.gsize == 0  # one CTA of a GVA group writes q, k and the rstds
                 self._l2norm_rows(sQ, mQn, mQr, b, h, row0, wid, lane, writer)
                 self._l2norm_rows(sK, mKn, mKr, b, h, row0, wid, lane, writer)
             cute.arch.sync_threads()
 
-            # 16-byte stores of 8 x 16-bit values: smem / gmem rows of a (rows, 64 or K) tile
-            uni = cute.nvgpu.CopyUniversalOp()
-            st8 = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(uni, io, num_bits_per_copy=128),
-                cute.make_layout((THREADS // 8, 8), stride=(8, 1)),
-                cute.make_layout((1, 8)),
-            )
-            t8 = st8.get_slice(tidx)
+            st8, t8 = _st8(io, tidx)
 
             # kg, qg out: 8 columns per thread per step
             cK = t8.partition_D(cute.make_identity_tensor((BT, K)))
@@ -755,63 +752,60 @@ def _build_kernel_class():
                             rkp.store(sK8[r, c8, None].load())
                             cute.copy(st8, rkp, tKp[None, m, n])
 
-            if cutlass.const_expr(not self.recompute):  # phases 1-3's solve: fwd only
-                # ---------------- phase 1: Aqk (staged in sX's storage) and L. Warps 0-5: a block
-                # below the diagonal each, then (warps 0-4) the 160 pairs of the 4 x 4 diagonal blocks;
-                # warps 6-7: the anchored quadrants of two diagonal blocks each.
-                if wid < 6:
-                    self._tf32_block(sQ2, sK2, sG2, sBeta, sAqk, sL, wid, lane, False)
-                    if tidx < 160:
-                        self._diag_exact(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx)
-                else:
-                    for jd in cutlass.range_constexpr(2):
-                        self._tf32_block(sQ2, sK2, sG2, sBeta, sAqk, sL, 2 * (wid - 6) + jd, lane, True)
-                cute.arch.sync_threads()
-                cA64 = t8.partition_D(cute.make_identity_tensor((BT, BT)))
-                tAqk = t8.partition_D(gAqk)
-                for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
-                    r, s0 = cA64[0, m, 0]
-                    rqk = cute.make_fragment_like(tAqk[None, m, 0])
-                    aqv = sAqk8[r, s0 // 8, None].load()
-                    for j8 in cutlass.range_constexpr(8):
-                        ai = f32(aqv[j8])
-                        aqs = f32(0.0)
-                        if s0 + j8 <= r:
-                            aqs = ai
-                        rqk[j8] = io(aqs)
-                    cute.copy(st8, rqk, tAqk[None, m, 0])
-                cute.arch.sync_threads()  # the staging is read: X may overwrite it
-
-                # ---------------- phase 2: X = (I + L)^-1
-                if tidx < BT:
-                    self._invert_diagonal(sL, sX, tidx)
-                cute.arch.sync_threads()
-                for lev in cutlass.range_constexpr(1, BT // BC):
-                    for bk in cutlass.range_constexpr(BT // BC - lev):  # blocks (lev + bk, bk)
-                        self._band_sum(sL, sX, sT, lev, bk, tidx)
-                    cute.arch.sync_threads()
-                    for bk in cutlass.range_constexpr(BT // BC - lev):
-                        self._band_solve(sX, sT, lev, bk, tidx)
-                    cute.arch.sync_threads()
-
-                # ---------------- phase 3: Akk out, bf16(X) over L, bf16(beta k E) over q
-                tAkk = t8.partition_D(gAkk)
-                tAb = t8.partition_D(sAb)
-                for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
-                    r, s0 = cA64[0, m, 0]
-                    rkk = cute.make_fragment_like(tAkk[None, m, 0])
-                    for hlf in cutlass.range_constexpr(2):
-                        xv = sX4[r, s0 // 4 + hlf, None].load()
-                        for i in cutlass.range_constexpr(4):
-                            xi = f32(xv[i])
-                            xs = f32(0.0)
-                            if s0 + 4 * hlf + i <= r:
-                                xs = xi
-                            rkk[4 * hlf + i] = io(xs)
-                    cute.copy(st8, rkk, tAkk[None, m, 0])
-                    cute.copy(st8, rkk, tAb[None, m, 0])
+            # ---------------- phase 1: Aqk (staged in sX's storage) and L. Warps 0-5: a block
+            # below the diagonal each, then (warps 0-4) the 160 pairs of the 4 x 4 diagonal blocks;
+            # warps 6-7: the anchored quadrants of two diagonal blocks each.
+            if wid < 6:
+                self._tf32_block(sQ2, sK2, sG2, sBeta, sAqk, sL, wid, lane, False)
+                if tidx < 160:
+                    self._diag_exact(sQ4, sK4, sG4, sBeta, sAqk, sL, tidx)
             else:
-                cute.arch.sync_threads()  # every thread's qg is out: k E may overwrite q
+                for jd in cutlass.range_constexpr(2):
+                    self._tf32_block(sQ2, sK2, sG2, sBeta, sAqk, sL, 2 * (wid - 6) + jd, lane, True)
+            cute.arch.sync_threads()
+            cA64 = t8.partition_D(cute.make_identity_tensor((BT, BT)))
+            tAqk = t8.partition_D(gAqk)
+            for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
+                r, s0 = cA64[0, m, 0]
+                rqk = cute.make_fragment_like(tAqk[None, m, 0])
+                aqv = sAqk8[r, s0 // 8, None].load()
+                for j8 in cutlass.range_constexpr(8):
+                    ai = f32(aqv[j8])
+                    aqs = f32(0.0)
+                    if s0 + j8 <= r:
+                        aqs = ai
+                    rqk[j8] = io(aqs)
+                cute.copy(st8, rqk, tAqk[None, m, 0])
+            cute.arch.sync_threads()  # the staging is read: X may overwrite it
+
+            # ---------------- phase 2: X = (I + L)^-1
+            if tidx < BT:
+                self._invert_diagonal(sL, sX, tidx)
+            cute.arch.sync_threads()
+            for lev in cutlass.range_constexpr(1, BT // BC):
+                for bk in cutlass.range_constexpr(BT // BC - lev):  # blocks (lev + bk, bk)
+                    self._band_sum(sL, sX, sT, lev, bk, tidx)
+                cute.arch.sync_threads()
+                for bk in cutlass.range_constexpr(BT // BC - lev):
+                    self._band_solve(sX, sT, lev, bk, tidx)
+                cute.arch.sync_threads()
+
+            # ---------------- phase 3: Akk out, bf16(X) over L, bf16(beta k E) over q
+            tAkk = t8.partition_D(gAkk)
+            tAb = t8.partition_D(sAb)
+            for m in cutlass.range_constexpr(cute.size(cA64, mode=[1])):
+                r, s0 = cA64[0, m, 0]
+                rkk = cute.make_fragment_like(tAkk[None, m, 0])
+                for hlf in cutlass.range_constexpr(2):
+                    xv = sX4[r, s0 // 4 + hlf, None].load()
+                    for i in cutlass.range_constexpr(4):
+                        xi = f32(xv[i])
+                        xs = f32(0.0)
+                        if s0 + 4 * hlf + i <= r:
+                            xs = xi
+                        rkk[4 * hlf + i] = io(xs)
+                cute.copy(st8, rkk, tAkk[None, m, 0])
+                cute.copy(st8, rkk, tAb[None, m, 0])
             tKE = t8.partition_D(sKE)
             for m in cutlass.range_constexpr(cute.size(cK, mode=[1])):
                 for n in cutlass.range_constexpr(cute.size(cK, mode=[2])):
@@ -826,11 +820,44 @@ def _build_kernel_class():
                             rke[4 * hlf + i] = io(kv[4 * hlf + i] * br * _exp2(gv[i]))
                     cute.copy(st8, rke, tKE[None, m, n])
             cute.arch.sync_threads()  # g is dead: its storage takes the V ring
-            if cutlass.const_expr(not self.recompute):
-                for iv in cutlass.range_constexpr(min(STAGES, NV)):
-                    load_v(iv, iv)
+            for iv in cutlass.range_constexpr(min(STAGES, NV)):
+                self._load_v(cp_io, tVg, tVs, cVio, nv, iv, iv, groups)
+            self._wu(tidx, st8, t8, sAb, sKE, sV, sBeta, gW, gU, cp_io, tVg, tVs, cVio, nv, groups)
 
-            # ---------------- phase 4: w = X KE, u = X v per 64-column tile (bf16 mma.sync)
+        @cute.jit
+        def _load_v(self, cp_io, tVg, tVs, cVio, nv, iv, st, groups):
+            """V tile iv into ring stage st by cp.async, one commit group (its index appended to
+            `groups`, counted at trace time); varlen: its pad rows +0, never loaded."""
+            if cutlass.const_expr(self.varlen):
+                _warp.rows_async(cp_io, tVg[None, None, None, iv], tVs[None, None, None, st], cVio, nv)
+            else:
+                cute.copy(cp_io, tVg[None, None, None, iv], tVs[None, None, None, st])
+            cute.arch.cp_async_commit_group()
+            groups.append(iv)
+
+        @cute.jit
+        def _beta_rows(self, mBeta, sBeta, b, hv, row0, raw0, nv, t):
+            """The chunk's beta (fp32) into sBeta, a thread per row; varlen: a pad row's is 0."""
+            if cutlass.const_expr(self.varlen):
+                if t < BT:
+                    bt = self.beta_dtype(0.0)
+                    if t < nv:
+                        bt = mBeta[b, raw0 + t, hv]
+                    sBeta[t] = f32(bt)
+            elif t < BT:
+                sBeta[t] = f32(mBeta[b, row0 + t, hv])
+
+        @cute.jit
+        def _wu(self, tidx, st8, t8, sAb, sKE, sV, sBeta, gW, gU, cp_io, tVg, tVs, cVio, nv, groups):
+            """Phase 4 of both kernels: w = bf16(X) bf16(beta k E) (sKE, two 64-column tiles), then
+            u = bf16(X) bf16(beta v) per 64-wide V tile of the ring (beta v in place, fla's rounding
+            point; tile iv + STAGES's cp.async issued once its stage is free), on bf16 mma.sync
+            m16n8k16, a 4 x 2 warp grid over each 64 x 64 tile, operands by ldmatrix, out from the C
+            fragments as bf16 pairs. bf16(X) is in sAb; the ring's first tiles are in flight, their
+            commit groups in `groups`."""
+            K = self.K
+            NV = self.NV
+            io = self.io_dtype
             tiled_mma = cute.make_tiled_mma(
                 warp.MmaF16BF16Op(io, f32, (16, 8, 16)), (4, 2, 1), permutation_mnk=(64, 64, 16)
             )
@@ -840,7 +867,8 @@ def _build_kernel_class():
             tcBt = cute.make_tiled_copy_B(ld_t, tiled_mma)
             cpAn = tcAn.get_slice(tidx)
             cpBt = tcBt.get_slice(tidx)
-            st_c16 = cute.make_tiled_copy_C(cute.make_copy_atom(uni, io, num_bits_per_copy=32), tiled_mma)
+            st32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), io, num_bits_per_copy=32)
+            st_c16 = cute.make_tiled_copy_C(st32, tiled_mma)
             tsc16 = st_c16.get_slice(tidx)
             rAb = thr.make_fragment_A(thr.partition_A(sAb))
             vAb = cpAn.retile(rAb)
@@ -871,7 +899,130 @@ def _build_kernel_class():
                                cute.composition(sV[None, None, st], tr64), st_c16, tsc16, gU[None, None, iv])
                 if cutlass.const_expr(iv + STAGES < NV):
                     cute.arch.sync_threads()  # every warp is done reading stage st
-                    load_v(iv + STAGES, st)
+                    self._load_v(cp_io, tVg, tVs, cVio, nv, iv + STAGES, st, groups)
+
+        @cute.jit
+        def _qk_rows(self, mQ, mK, b, h, row0, rg, cg, i0: cutlass.Constexpr):
+            """The recompute's q, k elements of rows 8 rg + i0 .. + 3 at columns 4 cg .. + 3: one
+            8-byte load each (a warp's load is one whole row), issued together -> (q's, k's)."""
+            rowv = cute.make_layout((self.K // 4, 4), stride=(4, 1))
+            qs = []
+            ks = []
+            for i in cutlass.range_constexpr(RG // 2):
+                r = rg * RG + i0 + i
+                qs.append(cute.make_tensor(mQ[b, row0 + r, h, None].iterator, rowv)[cg, None].load())
+                ks.append(cute.make_tensor(mK[b, row0 + r, h, None].iterator, rowv)[cg, None].load())
+            return qs, ks
+
+        @cute.jit
+        def _recompute(self, mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAkk, mGk, mTable):
+            """kda_cute_bwd_prep's body (module kda_cute.bwd_prep): phase 0's gate without the q, k, g
+            tiles, then the forward's phase 4 (`_wu`) on the saved Akk. 46 KB of smem (Akk's tile,
+            the V ring, bf16(beta k E), the gate's totals, beta), three CTAs per SM.
+
+            Each thread owns the gate's rows 8 (t / 32) .. + 7 at columns 4 (t % 32) .. + 3 (the
+            forward's phase-0 map) and keeps its gk there in registers: the gate and cumsum of
+            `_gate_rows` / `_gate_join` (every group's total to smem, so gl = gk at the last row
+            comes from `_gate_last` by the same additions), or the forward's gk by 16-byte loads
+            (gk_in). Its q, k elements come by 8-byte loads straight from global, four rows at a
+            time; kg, qg go out from registers (8-byte stores, a warp's one whole row) and
+            bf16(beta k E) into its own padded tile: every value is computed by the forward's
+            expression in its order, so w, u, qg, kg (and gk) are the forward's bit for bit."""
+            K = self.K
+            NV = self.NV
+            io = self.io_dtype
+            mQ, mK, mV, mW, mU, mQg, mKg, mAkk = (_warp.gmem(t) for t in (mQ, mK, mV, mW, mU, mQg, mKg, mAkk))
+            mG, mGk = _warp.gmem(mG), _warp.gmem(mGk)
+            tidx, _, _ = cute.arch.thread_idx()
+            t_idx, hv, b = cute.arch.block_idx()
+            h = hv // self.gsize
+            row0 = t_idx * BT  # the chunk's first row on q's row (varlen: the padded row)
+            raw0 = row0  # ... and of v, g, beta (varlen: the raw row's, from the table)
+            nv = BT  # the chunk's valid rows (varlen: rows >= nv are pad rows)
+            if cutlass.const_expr(self.varlen):
+                raw0 = mTable[t_idx, 0]
+                nv = mTable[t_idx, 1]
+            cg = tidx % CG
+            rg = tidx // CG
+
+            gV = cute.local_tile(mV[b, None, hv, None], (BT, BV), (t_idx, None))
+            if cutlass.const_expr(self.varlen):
+                gV = cute.local_tile(cute.domain_offset((raw0, 0), mV[b, None, hv, None]), (BT, BV),
+                                     (0, None))
+            gW = cute.local_tile(mW[b, None, hv, None], (BT, BV), (t_idx, None))
+            gU = cute.local_tile(mU[b, None, hv, None], (BT, BV), (t_idx, None))
+            gAkk = cute.local_tile(mAkk[b, None, hv, None], (BT, BT), (t_idx, 0))
+
+            # ---------------- shared memory (46 KB)
+            smem = cutlass.memory.SmemAllocator()
+            atom = _warp.swizzle_atom()
+            KS = K + QPAD
+            bAb = smem.allocate_tensor(io, cute.make_layout(BT * BT), 1024)
+            bV = smem.allocate_tensor(io, cute.make_layout(BT * BV * STAGES), 1024)
+            sKE = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(KS, 1)), 16)
+            sTot4 = smem.allocate_tensor(f32, cute.make_layout((NRG, K // 4, 4), stride=(K, 4, 1)), 16)
+            sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
+            sAb = cute.make_tensor(bAb.iterator, cute.tile_to_shape(atom, (BT, BT), (0, 1)))  # Akk: A operand
+            sV = cute.make_tensor(bV.iterator, cute.tile_to_shape(atom, (BT, BV, STAGES), (0, 1, 2)))
+            sKE4 = cute.make_tensor(sKE.iterator, cute.make_layout((BT, K // 4, 4), stride=(KS, 4, 1)))
+
+            # ---------------- Akk and the ring's first V tiles by cp.async, under the gate
+            cp_io, _ = _warp.cp_async_copies(io, THREADS)
+            tio = cp_io.get_slice(tidx)
+            tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
+            cVio = None
+            if cutlass.const_expr(self.varlen):
+                cVio = tio.partition_S(cute.make_identity_tensor((BT, BV)))
+            cute.copy(cp_io, tio.partition_S(gAkk), tio.partition_D(sAb))
+            cute.arch.cp_async_commit_group()
+            groups = []
+            for iv in cutlass.range_constexpr(min(STAGES, NV)):
+                self._load_v(cp_io, tVg, tVs, cVio, nv, iv, iv, groups)
+            self._beta_rows(mBeta, sBeta, b, hv, row0, raw0, nv, tidx)
+            rowv = cute.make_layout((K // 4, 4), stride=(4, 1))  # a row as 4-column vectors
+            g = cute.make_rmem_tensor(cute.make_layout((RG, 4), stride=(4, 1)), f32)
+            gl = cute.make_rmem_tensor(cute.make_layout(4), f32)
+            if cutlass.const_expr(self.gk_in):
+                for i in cutlass.range_constexpr(RG):
+                    src = cute.make_tensor(mGk[b, row0 + rg * RG + i, hv, None].iterator, rowv)
+                    g[i, None].store(src[cg, None].load())
+                gl.store(cute.make_tensor(mGk[b, row0 + BT - 1, hv, None].iterator, rowv)[cg, None].load())
+            else:
+                self._gate_rows(mG, mAlog, mBias, sTot4, g, b, hv, row0, tidx, raw0, nv, True)
+            # the thread's q, k elements, four rows at a time: the first four rows' loads issued
+            # before the barrier (they fly under it and the gate's join), the next four's once
+            # those are consumed (all eight at once spill: 80-140 bytes at the 80 registers that
+            # three CTAs per SM allow)
+            qs, ks = self._qk_rows(mQ, mK, b, h, row0, rg, cg, 0)
+            cute.arch.sync_threads()  # the gate's totals and beta
+            if cutlass.const_expr(not self.gk_in):
+                self._gate_join(None, sTot4, g, mGk, b, hv, row0, tidx)
+                self._gate_last(sTot4, gl, tidx)
+
+            # ---------------- kg, qg out, bf16(beta k E) to smem
+            for half in cutlass.range_constexpr(2):
+                if cutlass.const_expr(half == 1):
+                    qs, ks = self._qk_rows(mQ, mK, b, h, row0, rg, cg, RG // 2)
+                for i in cutlass.range_constexpr(RG // 2):
+                    ii = half * (RG // 2) + i
+                    r = rg * RG + ii
+                    qv = qs[i].to(f32)
+                    kv = ks[i].to(f32)
+                    br = sBeta[r]
+                    rqg = cute.make_rmem_tensor(cute.make_layout(4), io)
+                    rkg = cute.make_rmem_tensor(cute.make_layout(4), io)
+                    rke = cute.make_rmem_tensor(cute.make_layout(4), io)
+                    for x in cutlass.range_constexpr(4):
+                        rkg[x] = io(kv[x] * _exp2(gl[x] - g[ii, x]))
+                        rqg[x] = io(qv[x] * _exp2(g[ii, x]))
+                        rke[x] = io(kv[x] * br * _exp2(g[ii, x]))
+                    cute.make_tensor(mQg[b, row0 + r, hv, None].iterator, rowv)[cg, None].store(rqg.load())
+                    cute.make_tensor(mKg[b, row0 + r, hv, None].iterator, rowv)[cg, None].store(rkg.load())
+                    sKE4[r, cg, None].store(rke.load())
+            cute.arch.cp_async_wait_group(len(groups))  # Akk (the V tiles may still fly)
+            cute.arch.sync_threads()
+            st8, t8 = _st8(io, tidx)
+            self._wu(tidx, st8, t8, sAb, sKE, sV, sBeta, gW, gU, cp_io, tVg, tVs, cVio, nv, groups)
 
         @cute.jit
         def _tile_mma(self, tiled_mma, thr, tcAn, tcBt, cpBt, pAb, vAb, rAb, vBT, rBT, sBT, st_c16,
