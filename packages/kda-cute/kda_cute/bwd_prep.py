@@ -12,18 +12,17 @@ sees the forward's factors exactly, as fla's recompute does.
 
 The kernel is kda_cute_prep's class compiled with `recompute=True` (kda_cute.prep's docstring has
 the forward's layouts and phases), with a body of its own (`_recompute`) that keeps none of the
-forward's q, k, g tiles: grid (T / 64, HV, B), 256 threads, 46 KB of smem at V = 128, 62 KB from V
-= 256 (Akk's tile, a V ring of up to four 64-wide tiles, bf16(beta k E), the gate's row-group
-totals, beta) and 80 registers, so three CTAs share an SM (the forward's body: 105 KB, two). Each
-thread owns the gate's rows 8 (t / 32) .. + 7 at columns 4 (t % 32) .. + 3 and keeps their gk in
-registers (the forward's gate and cumsum code, or the forward's gk by 16-byte loads); q, k come
-straight from global by 8-byte loads (four rows at a time, the first four under the gate's
-barrier), kg and qg go out from registers; then the forward's phase 4 (`_wu`: w and u on bf16
-mma.sync with the Akk tile as the A operand). Akk and the ring's V tiles (all of them up to V =
-256) load by cp.async under the gate. Every value is the forward's expression in its order, so w,
-u, qg, kg and gk equal the forward's bit for bit (the PTX interpreter checks it). No Aqk, no L, no
-solve. This module is the stage's host side; the device code is in kda_cute.prep's class (one
-class, two entry points, phase 4 shared), so the two cannot drift.
+forward's q, k, g tiles: grid (T / 64, HV, B), 256 threads, 46 KB of smem (Akk's tile, a 2-stage
+V ring, bf16(beta k E), the gate's row-group totals, beta) and 80 registers, so three CTAs share
+an SM (the forward's body: 105 KB, two). Each thread owns the gate's rows 8 (t / 32) .. + 7 at
+columns 4 (t % 32) .. + 3 and keeps their gk in registers (the forward's gate and cumsum code, or
+the forward's gk by 16-byte loads); q, k come straight from global by 8-byte loads (four rows at a
+time, the first four under the gate's barrier), kg and qg go out from registers; then the
+forward's phase 4 (`_wu`: w and u on bf16 mma.sync with the Akk tile as the A operand). Akk and
+the first two V tiles load by cp.async under the gate. Every value is the forward's expression in
+its order, so w, u, qg, kg and gk equal the forward's bit for bit (the PTX interpreter checks
+it). No Aqk, no L, no solve. This module is the stage's host side; the device code is in
+kda_cute.prep's class (one class, two entry points, phase 4 shared), so the two cannot drift.
 
 Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, gate in the op):
 
@@ -40,8 +39,8 @@ bandwidth). Every output's error vs float64 at or below fla's, bitwise repeatabl
 
 With the forward's gk given (`gk=`: no gate in the op, where fla keeps gk for the backward too and
 the chain does the same) each thread loads its rows of it into registers (16-byte loads, and gk's
-last row for kg): no gate, no cumsum, no gk written (1.07 GB less at B16 T8192 H16 K128), the other
-outputs bitwise the same (the forward wrote that gk); gk is returned as given.
+last row for kg): no gate, no cumsum, no gk written (1.07 GB less at B16 T8192 H16 K128), the other outputs bitwise the same
+(the forward wrote that gk); gk is returned as given.
 
 Packed sequences (a chunk `table`, kda_chain.varlen's: the varlen build): v, beta and the raw gate
 on fla's packed row [1, T_raw, ...] as the user gave them (beta after the op's sigmoid), read

@@ -139,8 +139,7 @@ from ._warp import BT, BV, DT, LN2, LOG2E
 
 BC = 16  # diagonal block
 THREADS = 256
-STAGES = 2  # the forward's V ring (in g's storage, dead by phase 4)
-RSTAGES = 4  # the recompute's V ring (its own smem, loaded under the gate): up to V = 256 at once
+STAGES = 2
 SUPPORTED_K = (128,)
 QPAD = 8  # q, k smem row padding (elements): 16-byte rows, rows 16 bytes apart in the banks
 GPAD = 4  # g rows (floats)
@@ -164,7 +163,7 @@ class KdaPrep:
                  gate: str, has_bias: bool, lower_bound: float, recompute: bool = False,
                  l2norm: bool = False, gk_in: bool = False, varlen: bool = False, g_fill: float = 0.0):
         self.recompute = recompute  # kda_cute_bwd_prep: Akk read, not solved (module kda_cute.bwd_prep)
-        self.ctas_per_sm = 3 if recompute else 2  # the recompute's <= 62 KB, 80 registers allow three
+        self.ctas_per_sm = 3 if recompute else 2  # the recompute's 46 KB and <= 80 registers allow three
         # bwd_prep with the forward's gk given (no gate in the op: fla keeps gk then): gk read into
         # the g tile by cp.async with q, k; no gate, no cumsum, no gk written
         self.gk_in = gk_in and recompute
@@ -823,7 +822,7 @@ def _build_kernel_class():
             cute.arch.sync_threads()  # g is dead: its storage takes the V ring
             for iv in cutlass.range_constexpr(min(STAGES, NV)):
                 self._load_v(cp_io, tVg, tVs, cVio, nv, iv, iv, groups)
-            self._wu(tidx, st8, t8, sAb, sKE, sV, sBeta, gW, gU, cp_io, tVg, tVs, cVio, nv, groups, STAGES)
+            self._wu(tidx, st8, t8, sAb, sKE, sV, sBeta, gW, gU, cp_io, tVg, tVs, cVio, nv, groups)
 
         @cute.jit
         def _load_v(self, cp_io, tVg, tVs, cVio, nv, iv, st, groups):
@@ -849,11 +848,10 @@ def _build_kernel_class():
                 sBeta[t] = f32(mBeta[b, row0 + t, hv])
 
         @cute.jit
-        def _wu(self, tidx, st8, t8, sAb, sKE, sV, sBeta, gW, gU, cp_io, tVg, tVs, cVio, nv, groups,
-                stages: cutlass.Constexpr):
+        def _wu(self, tidx, st8, t8, sAb, sKE, sV, sBeta, gW, gU, cp_io, tVg, tVs, cVio, nv, groups):
             """Phase 4 of both kernels: w = bf16(X) bf16(beta k E) (sKE, two 64-column tiles), then
             u = bf16(X) bf16(beta v) per 64-wide V tile of the ring (beta v in place, fla's rounding
-            point; tile iv + stages's cp.async issued once its stage is free), on bf16 mma.sync
+            point; tile iv + STAGES's cp.async issued once its stage is free), on bf16 mma.sync
             m16n8k16, a 4 x 2 warp grid over each 64 x 64 tile, operands by ldmatrix, out from the C
             fragments as bf16 pairs. bf16(X) is in sAb; the ring's first tiles are in flight, their
             commit groups in `groups`."""
@@ -886,7 +884,7 @@ def _build_kernel_class():
                 self._tile_mma(tiled_mma, thr, tcAn, tcBt, cpBt, pAb, vAb, rAb, vBT, rBT,
                                cute.composition(sKEc, tr64), st_c16, tsc16, gW[None, None, c])
             for iv in cutlass.range_constexpr(NV):
-                st = iv % stages
+                st = iv % STAGES
                 cute.arch.cp_async_wait_group(len(groups) - 1 - groups.index(iv))
                 cute.arch.sync_threads()
                 # bf16(beta v) in place (fla's rounding point)
@@ -899,9 +897,9 @@ def _build_kernel_class():
                 cute.arch.sync_threads()
                 self._tile_mma(tiled_mma, thr, tcAn, tcBt, cpBt, pAb, vAb, rAb, vBT, rBT,
                                cute.composition(sV[None, None, st], tr64), st_c16, tsc16, gU[None, None, iv])
-                if cutlass.const_expr(iv + stages < NV):
+                if cutlass.const_expr(iv + STAGES < NV):
                     cute.arch.sync_threads()  # every warp is done reading stage st
-                    self._load_v(cp_io, tVg, tVs, cVio, nv, iv + stages, st, groups)
+                    self._load_v(cp_io, tVg, tVs, cVio, nv, iv + STAGES, st, groups)
 
         @cute.jit
         def _qk_rows(self, mQ, mK, b, h, row0, rg, cg, i0: cutlass.Constexpr):
@@ -919,9 +917,8 @@ def _build_kernel_class():
         @cute.jit
         def _recompute(self, mQ, mK, mV, mG, mBeta, mAlog, mBias, mW, mU, mQg, mKg, mAkk, mGk, mTable):
             """kda_cute_bwd_prep's body (module kda_cute.bwd_prep): phase 0's gate without the q, k, g
-            tiles, then the forward's phase 4 (`_wu`) on the saved Akk. 46 KB of smem at V = 128, 62
-            KB from V = 256 (Akk's tile, a V ring of min(NV, RSTAGES) tiles, all in flight under the
-            gate, bf16(beta k E), the gate's totals, beta), three CTAs per SM.
+            tiles, then the forward's phase 4 (`_wu`) on the saved Akk. 46 KB of smem (Akk's tile,
+            the V ring, bf16(beta k E), the gate's totals, beta), three CTAs per SM.
 
             Each thread owns the gate's rows 8 (t / 32) .. + 7 at columns 4 (t % 32) .. + 3 (the
             forward's phase-0 map) and keeps its gk there in registers: the gate and cumsum of
@@ -956,18 +953,17 @@ def _build_kernel_class():
             gU = cute.local_tile(mU[b, None, hv, None], (BT, BV), (t_idx, None))
             gAkk = cute.local_tile(mAkk[b, None, hv, None], (BT, BT), (t_idx, 0))
 
-            # ---------------- shared memory (46 KB at V = 128, 62 KB from V = 256)
+            # ---------------- shared memory (46 KB)
             smem = cutlass.memory.SmemAllocator()
             atom = _warp.swizzle_atom()
             KS = K + QPAD
             bAb = smem.allocate_tensor(io, cute.make_layout(BT * BT), 1024)
-            nst = min(RSTAGES, NV)
-            bV = smem.allocate_tensor(io, cute.make_layout(BT * BV * nst), 1024)
+            bV = smem.allocate_tensor(io, cute.make_layout(BT * BV * STAGES), 1024)
             sKE = smem.allocate_tensor(io, cute.make_layout((BT, K), stride=(KS, 1)), 16)
             sTot4 = smem.allocate_tensor(f32, cute.make_layout((NRG, K // 4, 4), stride=(K, 4, 1)), 16)
             sBeta = smem.allocate_tensor(f32, cute.make_layout(BT), 16)
             sAb = cute.make_tensor(bAb.iterator, cute.tile_to_shape(atom, (BT, BT), (0, 1)))  # Akk: A operand
-            sV = cute.make_tensor(bV.iterator, cute.tile_to_shape(atom, (BT, BV, nst), (0, 1, 2)))
+            sV = cute.make_tensor(bV.iterator, cute.tile_to_shape(atom, (BT, BV, STAGES), (0, 1, 2)))
             sKE4 = cute.make_tensor(sKE.iterator, cute.make_layout((BT, K // 4, 4), stride=(KS, 4, 1)))
 
             # ---------------- Akk and the ring's first V tiles by cp.async, under the gate
@@ -980,7 +976,7 @@ def _build_kernel_class():
             cute.copy(cp_io, tio.partition_S(gAkk), tio.partition_D(sAb))
             cute.arch.cp_async_commit_group()
             groups = []
-            for iv in cutlass.range_constexpr(nst):
+            for iv in cutlass.range_constexpr(min(STAGES, NV)):
                 self._load_v(cp_io, tVg, tVs, cVio, nv, iv, iv, groups)
             self._beta_rows(mBeta, sBeta, b, hv, row0, raw0, nv, tidx)
             rowv = cute.make_layout((K // 4, 4), stride=(4, 1))  # a row as 4-column vectors
@@ -1026,7 +1022,7 @@ def _build_kernel_class():
             cute.arch.cp_async_wait_group(len(groups))  # Akk (the V tiles may still fly)
             cute.arch.sync_threads()
             st8, t8 = _st8(io, tidx)
-            self._wu(tidx, st8, t8, sAb, sKE, sV, sBeta, gW, gU, cp_io, tVg, tVs, cVio, nv, groups, nst)
+            self._wu(tidx, st8, t8, sAb, sKE, sV, sBeta, gW, gU, cp_io, tVg, tVs, cVio, nv, groups)
 
         @cute.jit
         def _tile_mma(self, tiled_mma, thr, tcAn, tcBt, cpBt, pAb, vAb, rAb, vBT, rBT, sBT, st_c16,
