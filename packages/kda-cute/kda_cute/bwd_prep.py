@@ -30,17 +30,18 @@ Bytes per call, B16 T8192 H=HV=16 K128 V256 bf16 (bf16 gate input, gate in the o
     write   gk 1.074 GB, w, qg, kg 1.611, u 1.074                              3.76 GB
     total   6.72 GB: 1.68 ms at 4.0 TB/s (fla's gate cumsum + recompute_w_u: 0.42 + 1.80 ms)
 
-Today (H200, 2026-12-03, commit fecee71, bench/check_stage.py --stage bwd_prep, the chain's flags):
-2.352 ms vs fla's 2.116 at the reference shape (0.90x, 2.9 TB/s: phase 0 waits on its loads,
-docs/perf/prep.md), 1.829 vs 1.815 at B16 T8192 H16 K=V=128 (0.99x), 0.150 vs 0.193 at B2 T4096
-(1.29x); with the forward's gk given (fp32 log gate, no gate in the op, K=V=128): 1.716 ms against
-1.892 recomputing it, fla's recompute_w_u alone 1.394 (faster: its kernel runs nearer the
-bandwidth). Every output's error vs float64 at or below fla's, bitwise repeatable.
+Today (H100, 2026-12-08, commit f3677bd, bench/check_stage.py --stage bwd_prep, the chain's flags,
+same run as fla): 3.128 ms vs fla's 2.792 at the reference shape (0.89x; 2.15 TB/s, DRAM 64%:
+latency-bound, docs/perf/prep.md), 2.488 vs 2.399 at B16 T8192 H16 K=V=128 (0.96x), 0.185 vs 0.197
+at B2 T4096 (1.06x); with the forward's gk given (fp32 log gate, no gate in the op, K=V=128): 2.236
+ms against 2.801 recomputing it, fla's recompute_w_u alone 1.829 (its kernel runs nearer the
+bandwidth). 1.005-1.08x the two-CTA body it replaced (H200 2026-12-03: 2.352 / 1.829 / 0.150 ms,
+1.716 given gk). Every output's error vs float64 at or below fla's, bitwise repeatable.
 
 With the forward's gk given (`gk=`: no gate in the op, where fla keeps gk for the backward too and
 the chain does the same) each thread loads its rows of it into registers (16-byte loads, and gk's
-last row for kg): no gate, no cumsum, no gk written (1.07 GB less at B16 T8192 H16 K128), the other outputs bitwise the same
-(the forward wrote that gk); gk is returned as given.
+last row for kg): no gate, no cumsum, no gk written (1.07 GB less at B16 T8192 H16 K128), the other
+outputs bitwise the same (the forward wrote that gk); gk is returned as given.
 
 Packed sequences (a chunk `table`, kda_chain.varlen's: the varlen build): v, beta and the raw gate
 on fla's packed row [1, T_raw, ...] as the user gave them (beta after the op's sigmoid), read
