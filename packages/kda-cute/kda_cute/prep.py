@@ -686,12 +686,7 @@ def _build_kernel_class():
 
             # ---------------- phase 0: cp.async q, k (16 bytes per thread per copy); under them
             # the gate and its chunk-local cumsum (fla's gate_chunk_cumsum) into sG and out as gk
-            cp_io, _ = _warp.cp_async_copies(io, THREADS)
-            tio = cp_io.get_slice(tidx)
-            tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
-            cVio = None
-            if cutlass.const_expr(self.varlen):
-                cVio = tio.partition_S(cute.make_identity_tensor((BT, BV)))
+            cp_io, tio, tVg, tVs, cVio = self._v_copies(tidx, gV, sV)
 
             if cutlass.const_expr(self.qk_raw):
                 cQK = tio.partition_S(cute.make_identity_tensor((BT, K)))
@@ -823,6 +818,17 @@ def _build_kernel_class():
             for iv in cutlass.range_constexpr(min(STAGES, NV)):
                 self._load_v(cp_io, tVg, tVs, cVio, nv, iv, iv, groups)
             self._wu(tidx, st8, t8, sAb, sKE, sV, sBeta, gW, gU, cp_io, tVg, tVs, cVio, nv, groups)
+
+        @cute.jit
+        def _v_copies(self, tidx, gV, sV):
+            """The 16-byte cp.async copy of 16-bit tiles, this thread's slice, its partition of the V
+            tiles (global, ring) and, varlen, of their identity (which rows are pad rows)."""
+            cp_io, _ = _warp.cp_async_copies(self.io_dtype, THREADS)
+            tio = cp_io.get_slice(tidx)
+            cVio = None
+            if cutlass.const_expr(self.varlen):
+                cVio = tio.partition_S(cute.make_identity_tensor((BT, BV)))
+            return cp_io, tio, tio.partition_S(gV), tio.partition_D(sV), cVio
 
         @cute.jit
         def _load_v(self, cp_io, tVg, tVs, cVio, nv, iv, st, groups):
@@ -967,12 +973,7 @@ def _build_kernel_class():
             sKE4 = cute.make_tensor(sKE.iterator, cute.make_layout((BT, K // 4, 4), stride=(KS, 4, 1)))
 
             # ---------------- Akk and the ring's first V tiles by cp.async, under the gate
-            cp_io, _ = _warp.cp_async_copies(io, THREADS)
-            tio = cp_io.get_slice(tidx)
-            tVg, tVs = tio.partition_S(gV), tio.partition_D(sV)
-            cVio = None
-            if cutlass.const_expr(self.varlen):
-                cVio = tio.partition_S(cute.make_identity_tensor((BT, BV)))
+            cp_io, tio, tVg, tVs, cVio = self._v_copies(tidx, gV, sV)
             cute.copy(cp_io, tio.partition_S(gAkk), tio.partition_D(sAb))
             cute.arch.cp_async_commit_group()
             groups = []
