@@ -164,8 +164,8 @@ class KdaPrep:
                  l2norm: bool = False, gk_in: bool = False, varlen: bool = False, g_fill: float = 0.0):
         self.recompute = recompute  # kda_cute_bwd_prep: Akk read, not solved (module kda_cute.bwd_prep)
         self.ctas_per_sm = 3 if recompute else 2  # the recompute's 46 KB and <= 80 registers allow three
-        # bwd_prep with the forward's gk given (no gate in the op: fla keeps gk then): gk read into
-        # the g tile by cp.async with q, k; no gate, no cumsum, no gk written
+        # bwd_prep with the forward's gk given (no gate in the op: fla keeps gk then): gk loaded into
+        # registers (`_recompute`); no gate, no cumsum, no gk written
         self.gk_in = gk_in and recompute
         self.l2norm = l2norm and not recompute  # q, k read raw and L2-normalized in phase 0 (fwd only)
         self.io_dtype = io_dtype
@@ -414,10 +414,9 @@ def _build_kernel_class():
             lower_bound: lower_bound sigmoid(exp(A_log) (g + dt_bias)); none: g itself) and its
             running sum down the thread's rows -> run[i, x] (registers); the group's totals -> sTot4
             (groups 0 .. NRG - 2; with `every` the last one's too, for the recompute's gl). varlen:
-            row r reads raw row raw0 +
-            min(r, nv - 1) (always a row of the chunk's own sequence: no load leaves the row); a pad row
-            r >= nv then takes the chain's pad gate `g_fill` in g's dtype (so its step gate is the
-            padded path's bitwise: 0, or -0 in the gate forms)."""
+            row r reads raw row raw0 + min(r, nv - 1) (always a row of the chunk's own sequence: no
+            load leaves the row); a pad row r >= nv then takes the chain's pad gate `g_fill` in g's
+            dtype (so its step gate is the padded path's bitwise: 0, or -0 in the gate forms)."""
             cg = t % CG
             rg = t // CG
             rowv = cute.make_layout((self.K // 4, 4), stride=(4, 1))
